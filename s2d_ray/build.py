@@ -1,0 +1,136 @@
+"""Build the one engine from an EngineConfig: CLI, benchmarks and the Ray deployments all come through here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig, SpecConfig
+from .core.draft import SortedDraft, SortedDrafter, default_exits
+from .core.engine import SpecEngine
+from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
+from .core.target import TargetVerifier
+from .errors import ConfigError, ModelLoadError
+from .models import LoadedModel, check_same_vocabulary, load_model
+
+logger = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).parent / "assets"
+COMMITTED_DRAFTS = ASSETS / "drafts"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def set_threads(num_threads: int | None) -> None:
+    """torch inside Ray actors defaults to 1 thread; set it explicitly everywhere."""
+    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+
+
+def load_target(cfg: EngineConfig) -> LoadedModel:
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    return load_model(cfg.target.resolved_source, dtype=DTYPES[cfg.target.dtype], cache_dir=cache,
+                      trust_remote_code=cfg.trust_remote_code)
+
+
+def draft_dir(source: str) -> Path | None:
+    """A committed draft name or a directory; None for `cut:` sources."""
+    if source.startswith("cut:"):
+        return None
+    if (COMMITTED_DRAFTS / source).is_dir():
+        return COMMITTED_DRAFTS / source
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    known = sorted(p.name for p in COMMITTED_DRAFTS.glob("*") if p.is_dir())
+    raise ModelLoadError(f"draft {source!r} is neither a directory nor a committed draft {known} nor cut:<model>:<L>")
+
+
+def parse_cut(source: str) -> tuple[str, int, list[int] | None]:
+    """`cut:<model>:<layers>[:<e1>,<e2>,...]` -> (model, layers, exits)."""
+    parts = source.split(":")
+    if len(parts) not in (3, 4) or not parts[2].isdigit():
+        raise ConfigError(f"cut draft must look like cut:<model>:<layers>[:<e1>,<e2>,...], got {source!r}")
+    exits = [int(e) for e in parts[3].split(",")] if len(parts) == 4 else None
+    return parts[1], int(parts[2]), exits
+
+
+def build_draft(cfg: EngineConfig, target: LoadedModel, base: LoadedModel | None = None) -> SortedDraft:
+    """The sorted draft named by cfg.draft, sharing the target's embedding/head when its base is the target."""
+    src = cfg.draft.source
+    directory = draft_dir(src)
+    if directory is None:
+        model_src, layers, exits = parse_cut(src)
+        base = base or _base_for(model_src, cfg, target)
+        draft = SortedDraft.cut(base.model, model_src, layers, exits or default_exits(layers))
+    else:
+        spec = json.loads((directory / "s2d_draft.json").read_text()) if (directory / "s2d_draft.json").exists() else {}
+        base = base or _base_for(spec.get("base_model", cfg.target.resolved_source), cfg, target)
+        draft = SortedDraft.load(directory, base.model)
+    check_same_vocabulary(base.tokenizer, target.tokenizer, f"draft {src}", f"target {cfg.target.name}")
+    return _apply_exits(draft, cfg)
+
+
+def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedModel:
+    if source in (cfg.target.resolved_source, target.source):
+        return target
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    return load_model(source, dtype=DTYPES[cfg.target.dtype], cache_dir=cache,
+                      trust_remote_code=cfg.trust_remote_code)
+
+
+def _apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
+    """Mode exit:L, config overrides, then the per-target calibration profile decide exits and thresholds."""
+    fixed = cfg.spec.fixed_exit
+    if fixed is not None:
+        if fixed > draft.spec.num_layers:
+            raise ConfigError(f"exit:{fixed} is deeper than the draft's {draft.spec.num_layers} layers")
+        return draft.with_exits([fixed], [0.0])
+    exits = cfg.draft.exit_layers or draft.spec.exit_layers
+    thresholds = cfg.draft.thresholds
+    if thresholds is None and cfg.target.calibration:
+        profile = json.loads(Path(cfg.target.calibration).read_text())
+        if profile.get("exit_layers", exits) == exits:
+            thresholds = profile["thresholds"]
+    if thresholds is None and exits == draft.spec.exit_layers:
+        thresholds = draft.spec.thresholds
+    if exits == draft.spec.exit_layers and thresholds == draft.spec.thresholds:
+        return draft
+    if exits[-1] > draft.spec.num_layers:
+        raise ConfigError(f"exit {exits[-1]} is deeper than the draft's {draft.spec.num_layers} layers")
+    return draft.with_exits(exits, thresholds)
+
+
+def make_policy(spec: SpecConfig) -> DraftLengthPolicy:
+    return FixedK(spec.k) if spec.policy == "fixed" else HeuristicK(start=spec.k, max_k=spec.max_k)
+
+
+@dataclass
+class Built:
+    """Everything an entry point needs: the engine plus the pieces it was made of."""
+
+    engine: SpecEngine
+    target: LoadedModel
+    draft: SortedDraft | None
+    cfg: EngineConfig
+
+
+def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
+    set_threads(cfg.num_threads)
+    target = target or load_target(cfg)
+    draft = None if cfg.spec.mode == "ar" else build_draft(cfg, target)
+    tok = target.tokenizer
+    max_ctx = cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None)
+    engine = SpecEngine(
+        TargetVerifier(target.model),
+        SortedDrafter(draft, cfg.draft.stop_confidence) if draft is not None else None,
+        policy=make_policy(cfg.spec),
+        max_context=max_ctx,
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+    )
+    logger.info("engine: target=%s mode=%s draft=%s exits=%s", cfg.target.name, cfg.spec.mode,
+                cfg.draft.source if draft else None, draft.spec.exit_layers if draft else None)
+    return Built(engine, target, draft, cfg)

@@ -1,0 +1,92 @@
+"""Every user-facing setting as a pydantic model: defaults live here and nowhere else; errors say what to change."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_DRAFT = "smollm2-135m-s2d"  # the committed sorted draft (s2d_ray/assets/drafts)
+MODE_PATTERN = re.compile(r"^(ar|s2d|exit:\d+)$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DraftConfig(_Strict):
+    source: str = Field(
+        DEFAULT_DRAFT,
+        description="A draft directory, a committed draft name, or `cut:<model>:<layers>` for an untrained cut "
+        "of the first layers of <model>.",
+    )
+    exit_layers: list[int] | None = Field(None, description="Override the draft's exits (increasing layer numbers).")
+    thresholds: list[float] | None = Field(
+        None, description="Confidence threshold tau per exit; the last exit always emits. Default: the draft's own, "
+        "else the per-target calibration profile, else the paper's (0.5, ..., 0)."
+    )
+    stop_confidence: float = Field(0.0, ge=0.0, le=1.0, description="Stop drafting once q(token) falls below this.")
+
+    @model_validator(mode="after")
+    def _exits_and_thresholds(self) -> "DraftConfig":
+        ex = self.exit_layers
+        if ex is not None and (not ex or any(b <= a for a, b in zip(ex, ex[1:])) or ex[0] < 1):
+            raise ValueError(f"exit_layers must be increasing layer numbers >= 1, got {ex}")
+        if self.thresholds is not None:
+            if any(not 0.0 <= t <= 1.0 for t in self.thresholds):
+                raise ValueError("thresholds must lie in [0, 1]")
+            if ex is not None and len(self.thresholds) != len(ex):
+                raise ValueError(f"give one threshold per exit: {len(ex)} exits, {len(self.thresholds)} thresholds")
+        return self
+
+
+class SpecConfig(_Strict):
+    mode: str = Field("s2d", description="`s2d` (adaptive exits), `exit:<layer>` (one fixed exit) or `ar` (no draft).")
+    policy: Literal["heuristic", "fixed"] = Field(
+        "heuristic", description="Draft length: `heuristic` (+2 if all accepted, else -1) or `fixed` k."
+    )
+    k: int = Field(5, ge=1, le=32, description="Fixed k, or the heuristic's starting k.")
+    max_k: int = Field(16, ge=1, le=64, description="Upper bound for the heuristic policy.")
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if not MODE_PATTERN.match(v):
+            raise ValueError(f"mode must be `s2d`, `ar` or `exit:<layer>`, got {v!r}")
+        return v
+
+    @property
+    def fixed_exit(self) -> int | None:
+        return int(self.mode.split(":")[1]) if self.mode.startswith("exit:") else None
+
+
+class TargetConfig(_Strict):
+    name: str = Field(DEFAULT_TARGET, description="The model name clients ask for (OpenAI `model`).")
+    source: str | None = Field(None, description="Named source, HF directory or .gguf file; default: `name`.")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field("float32", description="Weights dtype.")
+    max_context: int | None = Field(None, ge=8, description="Context limit in tokens; default: the model's.")
+    calibration: str | None = Field(None, description="A per-target profile (JSON) from `s2d calibrate`.")
+
+    @property
+    def resolved_source(self) -> str:
+        return self.source or self.name
+
+
+class EngineConfig(_Strict):
+    """One target + one draft + speculation settings: what `SpecEngine` is built from."""
+
+    target: TargetConfig = TargetConfig()
+    draft: DraftConfig = DraftConfig()
+    spec: SpecConfig = SpecConfig()
+    cache_dir: str | None = Field(None, description="Where converted models live; default $S2D_CACHE_DIR or ~/.cache.")
+    trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
+    num_threads: int | None = Field(None, ge=1, description="torch threads; default: all cores.")
+
+
+class SamplingConfig(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    seed: int | None = Field(None, description="Seed for reproducible sampling.")

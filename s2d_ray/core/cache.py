@@ -1,0 +1,104 @@
+"""A slot KV cache: one row per sequence, one slot per token position, per layer.
+
+Positions index slots directly, so sequences of different lengths share one tensor without left padding, a draft's
+layers may be filled to different depths (lazy KV fill), and rolling back after verification is only lowering a
+length: stale slots are overwritten before any query can see them (gpt-fast's rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """Keys and values as [rows, slots, kv_heads, head_dim] per layer; grows rows and slots on demand.
+
+    Duck-types the one method transformers attention layers call (`update`), so Hugging Face decoder layers of any
+    Llama-like family write into it. Call `select(rows, positions, kv_len)` before running layers.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        rows: int = 1,
+        slots: int = 128,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        # Zeros, never torch.empty: a masked slot still enters q.k, and NaN garbage there would poison softmax.
+        self.keys = [self._zeros(rows, slots) for _ in range(num_layers)]
+        self.values = [self._zeros(rows, slots) for _ in range(num_layers)]
+        self._rows: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._kv_len = 0
+        self._all_rows = False
+
+    def _zeros(self, rows: int, slots: int) -> torch.Tensor:
+        return torch.zeros(rows, slots, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys[0].shape[1]
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Grow to at least `rows` x `slots` (doubling slots, so growth is amortised)."""
+        add_rows = max(rows - self.num_rows, 0)
+        add_slots = 0
+        if slots > self.num_slots:
+            add_slots = max(slots, 2 * self.num_slots) - self.num_slots
+        if not add_rows and not add_slots:
+            return
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                if add_slots:
+                    t = torch.cat([t, self._zeros(t.shape[0], add_slots)], dim=1)
+                if add_rows:
+                    t = torch.cat([t, self._zeros(add_rows, t.shape[1])], dim=0)
+                store[i] = t
+
+    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
+        """Set which rows and positions the next layer calls write, and how many slots they attend over.
+
+        rows: [n] row indices; positions: [n, s] slot of each new token; kv_len: slots visible to attention.
+        """
+        self.reserve(int(rows.max()) + 1, max(kv_len, int(positions.max()) + 1))
+        self._rows, self._positions, self._kv_len = rows, positions, kv_len
+        self._all_rows = rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows)).all())
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write new k/v ([n, kv_heads, s, head_dim]) at the selected slots; return k/v over the first kv_len slots."""
+        rows, pos = self._rows, self._positions
+        k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
+        k_store[rows[:, None], pos] = key_states.transpose(1, 2).to(self.dtype)
+        v_store[rows[:, None], pos] = value_states.transpose(1, 2).to(self.dtype)
+        if self._all_rows:
+            k, v = k_store[:, : self._kv_len], v_store[:, : self._kv_len]
+        else:
+            k, v = k_store[rows, : self._kv_len], v_store[rows, : self._kv_len]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    @torch.no_grad()
+    def clear_row(self, row: int) -> None:
+        """Zero a freed row so no state of a finished request outlives it."""
+        for store in (self.keys, self.values):
+            for t in store:
+                t[row].zero_()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store)
+
+
+def slot_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask [n, 1, s, kv_len]: a token at position p sees slots 0..p of its own row."""
+    slots = torch.arange(kv_len, device=positions.device)
+    allowed = slots[None, None, :] <= positions[:, :, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,267 @@
+"""The sorted (nested) draft: the first L layers of a family model with exits sharing the final norm and LM head.
+
+Each draft token leaves at the shallowest exit whose confidence (max softmax) exceeds that exit's threshold tau; the
+last exit always emits. A token that left early has no KV in deeper layers: its hidden state at the exit is kept, and
+the next token that goes deeper first pushes those kept states through the missing layers (lazy KV fill).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from .cache import SlotKVCache
+from .sampling import logits_to_probs, round_generator, sample
+from .stack import DecoderParts, LayerStack, RowState, RowTable, decoder_parts, pending_grid
+from .types import DraftRequest, Proposal, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DRAFT_CONFIG = "s2d_draft.json"
+DRAFT_WEIGHTS = "draft.safetensors"
+
+
+class Drafter(Protocol):
+    """The proposer role: up to k draft tokens per sequence, with the q they were drawn from."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+@dataclass
+class DraftSpec:
+    """What a draft directory records besides weights: where its layers came from and how it exits."""
+
+    base_model: str  # source of the shared embedding/norm/head (and of untrained layers)
+    num_layers: int
+    exit_layers: list[int]
+    thresholds: list[float]  # one tau per exit; the last exit always emits
+    trained_norm_head: bool = False  # True when the draft's own norm/head are stored (not the base's)
+    provenance: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        ex = self.exit_layers
+        if not ex or any(b <= a for a, b in zip(ex, ex[1:])) or ex[0] < 1 or ex[-1] > self.num_layers:
+            raise ModelLoadError(f"exit_layers must increase within 1..{self.num_layers}, got {ex}")
+        if len(self.thresholds) != len(ex):
+            raise ModelLoadError(f"need one threshold per exit ({len(ex)}), got {len(self.thresholds)}")
+
+
+class SortedDraft(nn.Module):
+    """A nested multi-exit draft. `layers` are its own (trained) or the base's first L (a cut, untrained draft)."""
+
+    def __init__(self, parts: DecoderParts, spec: DraftSpec, layers: nn.ModuleList | None = None) -> None:
+        super().__init__()
+        spec.validate()
+        self.spec = spec
+        if layers is None:
+            layers = nn.ModuleList(list(parts.layers)[: spec.num_layers])
+        self.layers = layers
+        self.parts = parts
+        self.stack = LayerStack(parts, spec.exit_layers, layers=self.layers)
+
+    @classmethod
+    def cut(cls, base_model: nn.Module, base_source: str, num_layers: int, exit_layers: list[int] | None = None,
+            thresholds: list[float] | None = None, copy_layers: bool = False) -> "SortedDraft":
+        """An untrained draft from the base's first `num_layers` layers (shared, or copied for training)."""
+        parts = decoder_parts(base_model)
+        exit_layers = exit_layers or default_exits(num_layers)
+        thresholds = thresholds if thresholds is not None else paper_thresholds(len(exit_layers))
+        layers = None
+        if copy_layers:
+            import copy
+
+            layers = nn.ModuleList(copy.deepcopy(list(parts.layers)[:num_layers]))
+        spec = DraftSpec(base_source, num_layers, list(exit_layers), list(thresholds))
+        return cls(parts, spec, layers)
+
+    def with_exits(self, exit_layers: list[int], thresholds: list[float] | None = None) -> "SortedDraft":
+        """The same weights with other exits (e.g. `exit:L` baselines use a single exit)."""
+        thresholds = thresholds if thresholds is not None else paper_thresholds(len(exit_layers))
+        spec = DraftSpec(self.spec.base_model, self.spec.num_layers, list(exit_layers), list(thresholds),
+                         self.spec.trained_norm_head, dict(self.spec.provenance))
+        return SortedDraft(self.parts, spec, self.layers)
+
+    # --- persistence: only what differs from the base is stored -------------------------------------------------
+    def save(self, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {f"layers.{k}": v for k, v in self.layers.state_dict().items()}
+        if self.spec.trained_norm_head:
+            tensors.update({f"norm.{k}": v for k, v in self.parts.norm.state_dict().items()})
+            tensors.update({f"head.{k}": v for k, v in self.parts.head.state_dict().items()})
+        save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, str(directory / DRAFT_WEIGHTS))
+        (directory / DRAFT_CONFIG).write_text(json.dumps(asdict(self.spec), indent=2))
+
+    @classmethod
+    def load(cls, directory: Path, base_model: nn.Module) -> "SortedDraft":
+        """Load layer weights from `directory`; embedding (and norm/head unless trained) come from the base."""
+        import copy
+
+        from safetensors.torch import load_file
+
+        cfg_path, w_path = directory / DRAFT_CONFIG, directory / DRAFT_WEIGHTS
+        if not cfg_path.exists() or not w_path.exists():
+            raise ModelLoadError(f"{directory} is not a draft directory: need {DRAFT_CONFIG} and {DRAFT_WEIGHTS}")
+        spec = DraftSpec(**json.loads(cfg_path.read_text()))
+        parts = decoder_parts(base_model)
+        dtype = parts.head.weight.dtype
+        tensors = load_file(str(w_path))
+        layers = nn.ModuleList(copy.deepcopy(list(parts.layers)[: spec.num_layers]))
+        layers.load_state_dict(_strip(tensors, "layers."), strict=True)
+        if spec.trained_norm_head:
+            parts = copy.copy(parts)
+            parts.norm, parts.head = copy.deepcopy(parts.norm), copy.deepcopy(parts.head)
+            parts.norm.load_state_dict(_strip(tensors, "norm."))
+            parts.head.load_state_dict(_strip(tensors, "head."))
+        draft = cls(parts, spec, layers).to(dtype)
+        draft.requires_grad_(False)
+        return draft
+
+
+def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def default_exits(num_layers: int) -> list[int]:
+    """Three evenly spaced exits ending at the last layer (the paper's 6/9/12 of 12 pattern, as thirds)."""
+    if num_layers < 3:
+        return list(range(1, num_layers + 1))
+    return sorted({max(1, round(num_layers * f)) for f in (1 / 3, 2 / 3)} | {num_layers})
+
+
+def paper_thresholds(num_exits: int) -> list[float]:
+    """The paper's default: 0.5 at every exit but the last, which always emits."""
+    return [0.5] * (num_exits - 1) + [0.0]
+
+
+@dataclass
+class _StepOut:
+    logits: torch.Tensor  # [n, V] at the emitting exit
+    exits: list[int]
+
+
+class HiddenStore:
+    """Hidden states at each inner exit, [rows, slots, h], kept for lazily filling deeper layers later."""
+
+    def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.bufs = [torch.zeros(1, 16, hidden, dtype=dtype, device=device) for _ in range(num)]
+
+    def reserve(self, rows: int, slots: int) -> None:
+        for i, b in enumerate(self.bufs):
+            if rows > b.shape[0] or slots > b.shape[1]:
+                nb = b.new_zeros(max(rows, b.shape[0]), max(slots, 2 * b.shape[1]), b.shape[2])
+                nb[: b.shape[0], : b.shape[1]] = b
+                self.bufs[i] = nb
+
+
+class SortedDrafter:
+    """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
+
+    def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0) -> None:
+        self.draft = draft
+        self.stack = draft.stack
+        self.exit_layers = draft.spec.exit_layers
+        self.thresholds = draft.spec.thresholds
+        self.stop_confidence = stop_confidence  # stop drafting a sequence when its q(x) falls below this
+        self.cache: SlotKVCache = self.stack.new_cache()
+        self.table = RowTable(len(self.exit_layers), self.cache)
+        hidden = draft.parts.embed.weight.shape[1]
+        self.hidden = HiddenStore(len(self.exit_layers) - 1, hidden, self.stack.dtype, self.stack.device)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        states = [self.table.sync(r.seq_id, r.tokens) for r in requests]
+        props = [Proposal.empty() for _ in requests]
+        live = [i for i, r in enumerate(requests) if r.k > 0]
+        for step in range(max((r.k for r in requests), default=0)):
+            live = [i for i in live if requests[i].k > step]
+            if not live:
+                break
+            out = self._step([states[i] for i in live])
+            still = []
+            for j, i in enumerate(live):
+                req, prop = requests[i], props[i]
+                probs = logits_to_probs(out.logits[j], req.params)
+                gen = round_generator(req.params.seed, len(states[i].tokens), "draft")
+                tok = int(probs.argmax()) if req.params.greedy else sample(probs, gen)
+                prop.tokens.append(tok)
+                prop.exits.append(out.exits[j])
+                if not req.params.greedy:
+                    prop.q = probs[None] if prop.q is None else torch.cat([prop.q, probs[None]])
+                states[i].tokens.append(tok)
+                if self._confident(out.logits[j], tok):
+                    still.append(i)
+            live = still
+        return props
+
+    def _confident(self, logits: torch.Tensor, tok: int) -> bool:
+        if self.stop_confidence <= 0:
+            return True
+        return float(torch.softmax(logits.float(), -1)[tok]) >= self.stop_confidence
+
+    def _step(self, states: list[RowState]) -> _StepOut:
+        """Advance each row by its last token: lazily fill, exit where confident; logits for the next token."""
+        device = self.stack.device
+        n = len(states)
+        ends = [len(st.tokens) - 1 for st in states]
+        self.hidden.reserve(max(st.row for st in states) + 1, max(ends) + 2 * len(self.stack.segments) + 8)
+        logits_out: list[torch.Tensor | None] = [None] * n
+        exits = [0] * n
+        active = list(range(n))
+        for seg, exit_layer in enumerate(self.exit_layers):
+            sub = [states[a] for a in active]
+            starts = [st.filled[seg] for st in sub]
+            sub_ends = [ends[a] for a in active]
+            positions, valid = pending_grid(starts, sub_ends, device)
+            rows = torch.tensor([st.row for st in sub], device=device)
+            x = self._segment_input(seg, sub, positions, valid)
+            h = self.stack.run_segment(seg, x, rows, positions, self.cache)
+            if seg < len(self.exit_layers) - 1:
+                r_idx = rows[:, None].expand_as(positions)
+                self.hidden.bufs[seg][r_idx[valid], positions[valid]] = h[valid]
+            last = (valid.sum(1) - 1)
+            h_last = h[torch.arange(len(sub), device=device), last]
+            logits = self.stack.logits(h_last)
+            for st, e in zip(sub, sub_ends):
+                st.filled[seg] = e + 1
+            final = seg == len(self.exit_layers) - 1
+            conf = None if final else torch.softmax(logits.float(), -1).amax(-1)
+            keep = []
+            for j, a in enumerate(active):
+                if final or float(conf[j]) > self.thresholds[seg]:
+                    logits_out[a], exits[a] = logits[j], exit_layer
+                else:
+                    keep.append(a)
+            active = keep
+            if not active:
+                break
+        return _StepOut(torch.stack(logits_out), exits)
+
+    def _segment_input(self, seg: int, sub: list[RowState], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Segment 0 embeds tokens; deeper segments read kept hidden states of the previous exit. Dummies copy a real one."""
+        device = self.stack.device
+        clamped = torch.minimum(positions, (positions * valid).amax(1, keepdim=True))
+        if seg == 0:
+            ids = torch.tensor(
+                [[st.tokens[p] for p in row] for st, row in zip(sub, clamped.tolist())], device=device
+            )
+            return self.stack.embed(ids)
+        rows = torch.tensor([st.row for st in sub], device=device)
+        return self.hidden.bufs[seg - 1][rows[:, None], clamped]
+
+    def release(self, seq_id: str) -> None:
+        self.table.release(seq_id)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.table)

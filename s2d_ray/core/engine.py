@@ -1,0 +1,245 @@
+"""The one speculative decoding loop, shared by the CLI, the benchmarks and the Ray router.
+
+A round, for every unfinished sequence at once:
+  1. plan: pick k per sequence (policy, capped by max_new_tokens and the context limit);
+  2. propose: the drafter drafts up to k tokens (with q when sampling);
+  3. verify: the verifier scores committed + draft tokens in one batched target forward (k + 1 logits each);
+  4. accept: the sampler keeps a prefix and draws one target token (recovered or bonus);
+  5. commit: append, apply stops, update the policy. KV rollback happens on the next sync (common-prefix cut).
+The drafter and verifier are injected (in-process objects, or Ray deployment handles behind the same calls), and
+plain decoding is the same loop with no drafter.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .draft import Drafter
+from .policy import DraftLengthPolicy, HeuristicK
+from .sampling import Sampler, rejection_sample, round_generator
+from .target import Verifier
+from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    seq_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    params: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class StepOutput:
+    """Tokens a sequence gained in one round (after stop truncation), and whether it finished."""
+
+    seq_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass
+class GenerationResult:
+    seq_id: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: dict[str, Any]
+    text: str | None = None
+
+
+@dataclass
+class _Sequence:
+    req: GenerationRequest
+    k: int
+    generated: list[int] = field(default_factory=list)
+    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+    started: float = field(default_factory=time.perf_counter)
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req.prompt_ids + self.generated
+
+
+class SpecEngine:
+    """Runs rounds over many sequences; finished sequences release their KV on drafter and verifier."""
+
+    def __init__(
+        self,
+        verifier: Verifier,
+        drafter: Drafter | None = None,
+        policy: DraftLengthPolicy | None = None,
+        sampler: Sampler = rejection_sample,
+        max_context: int | None = None,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.verifier, self.drafter = verifier, drafter
+        self.policy = policy or HeuristicK()
+        self.sampler = sampler
+        self.max_context = max_context
+        self.detokenize = detokenize
+        self.seqs: dict[str, _Sequence] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+    def add_request(self, req: GenerationRequest) -> None:
+        if req.seq_id in self.seqs:
+            raise ValueError(f"duplicate seq_id {req.seq_id!r}")
+        if not req.prompt_ids:
+            raise ValueError("prompt is empty")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.max_context is not None and len(req.prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context limit is {self.max_context}")
+        self.seqs[req.seq_id] = _Sequence(req, k=self.policy.initial() if self.drafter else 0)
+
+    def abort(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self._release(seq_id)
+
+    def _release(self, seq_id: str) -> None:
+        self.verifier.release(seq_id)
+        if self.drafter is not None:
+            self.drafter.release(seq_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # --- one round, in steps the sync and async drivers share -----------------------------------------------------
+    def plan(self) -> tuple[list[_Sequence], list[DraftRequest]]:
+        """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
+        live = list(self.seqs.values())
+        drafts = []
+        for seq in live:
+            remaining = seq.req.max_new_tokens - len(seq.generated) - 1
+            if self.max_context is not None:
+                remaining = min(remaining, self.max_context - len(seq.tokens) - 1)
+            k = max(0, min(seq.k, remaining)) if self.drafter is not None else 0
+            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params))
+        return live, drafts
+
+    @staticmethod
+    def score_requests(drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
+        """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one."""
+        return [
+            ScoreRequest(d.seq_id, d.tokens + p.tokens, len(p.tokens) + 1) for d, p in zip(drafts, proposals)
+        ]
+
+    def commit(
+        self, live: list[_Sequence], proposals: list[Proposal], logits: list[torch.Tensor], timing: tuple[float, float]
+    ) -> list[StepOutput]:
+        """Steps 4-5: accept, append with stops, update policy and metrics, release finished sequences."""
+        outputs = []
+        for seq, prop, p_logits in zip(live, proposals, logits):
+            if seq.req.seq_id not in self.seqs:  # aborted while the round was in flight
+                continue
+            gen = round_generator(seq.req.params.seed, len(seq.tokens), "accept")
+            n_acc, nxt = self.sampler(prop.tokens, prop.q, p_logits, seq.req.params, gen)
+            result = RoundResult(len(prop.tokens), n_acc, prop.tokens[:n_acc] + [nxt], prop.exits)
+            emitted = self._append(seq, result.new_tokens)
+            seq.metrics.record(result, len(emitted))
+            seq.metrics.draft_seconds += timing[0]
+            seq.metrics.target_seconds += timing[1]
+            if seq.metrics.first_token_seconds is None:
+                seq.metrics.first_token_seconds = time.perf_counter() - seq.started
+            if self.drafter is not None:
+                seq.k = self.policy.update(n_acc, seq.k) if result.n_drafted else seq.k
+            outputs.append(StepOutput(seq.req.seq_id, emitted, seq.finish_reason is not None, seq.finish_reason))
+            if seq.finish_reason is not None:
+                seq.metrics.total_seconds = time.perf_counter() - seq.started
+                del self.seqs[seq.req.seq_id]
+                self._release(seq.req.seq_id)
+        return outputs
+
+    def _append(self, seq: _Sequence, new_tokens: list[int]) -> list[int]:
+        emitted = []
+        for tok in new_tokens:
+            seq.generated.append(tok)
+            emitted.append(tok)
+            if tok in seq.req.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.generated) >= seq.req.max_new_tokens:
+                seq.finish_reason = "length"
+            elif self.max_context is not None and len(seq.tokens) >= self.max_context:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        if seq.req.stop_strings and self.detokenize is not None:
+            cut = self._stop_string_cut(seq)
+            if cut is not None:
+                drop = len(seq.generated) - cut
+                del seq.generated[cut:]
+                emitted = emitted[: max(len(emitted) - drop, 0)]
+                seq.finish_reason = "stop"
+        return emitted
+
+    def _stop_string_cut(self, seq: _Sequence) -> int | None:
+        """Fewest generated tokens whose text contains a stop string, or None."""
+        text = self.detokenize(seq.generated)
+        if not any(s in text for s in seq.req.stop_strings):
+            return None
+        for n in range(1, len(seq.generated) + 1):
+            if any(s in self.detokenize(seq.generated[:n]) for s in seq.req.stop_strings):
+                return n
+        return None
+
+    # --- drivers -----------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """One synchronous round over all live sequences (in-process drafter and verifier)."""
+        live, drafts = self.plan()
+        if not live:
+            return []
+        t0 = time.perf_counter()
+        proposals = self._propose(drafts)
+        t1 = time.perf_counter()
+        logits = self.verifier.score(self.score_requests(drafts, proposals))
+        t2 = time.perf_counter()
+        return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+
+    async def step_async(self, propose: Callable, score: Callable) -> list[StepOutput]:
+        """The same round with awaitable propose/score calls (Ray handles); used by the router."""
+        live, drafts = self.plan()
+        if not live:
+            return []
+        t0 = time.perf_counter()
+        proposals = [Proposal.empty() for _ in drafts]
+        if any(d.k > 0 for d in drafts):
+            proposals = await _maybe_await(propose([d for d in drafts]))
+        t1 = time.perf_counter()
+        logits = await _maybe_await(score(self.score_requests(drafts, proposals)))
+        t2 = time.perf_counter()
+        return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+
+    def _propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
+        if self.drafter is None or all(d.k == 0 for d in drafts):
+            return [Proposal.empty() for _ in drafts]
+        return self.drafter.propose(drafts)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Decode all requests together until each finishes; results in request order."""
+        for req in requests:
+            self.add_request(req)
+        done: dict[str, _Sequence] = {}
+        tracked = {r.seq_id: self.seqs[r.seq_id] for r in requests}
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    done[out.seq_id] = tracked[out.seq_id]
+        return [
+            GenerationResult(r.seq_id, done[r.seq_id].generated, done[r.seq_id].finish_reason or "abort",
+                             done[r.seq_id].metrics.to_dict())
+            for r in requests
+        ]
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value

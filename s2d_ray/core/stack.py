@@ -1,0 +1,195 @@
+"""A decoder-only LM as embedding -> layers split at exits -> shared norm + LM head, run over rows of a slot cache.
+
+Both the target (one exit, after its last layer) and the sorted draft (several exits) are a `LayerStack`: they call the
+Hugging Face decoder layers directly, so any Llama-like family works, and the positions of every call are explicit.
+`RowTable` maps sequence ids to cache rows and keeps, per segment, how many positions hold KV; syncing a row with the
+token prefix a caller sends cuts those counts back to the common prefix, which is the whole KV rollback.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from .cache import SlotKVCache, slot_mask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecoderParts:
+    """The pieces of a Hugging Face causal LM that speculation needs; the seam for other model families."""
+
+    embed: nn.Module
+    layers: nn.ModuleList
+    rotary: nn.Module
+    norm: nn.Module
+    head: nn.Module
+    num_kv_heads: int
+    head_dim: int
+
+
+def _llama_like_parts(model: nn.Module) -> DecoderParts:
+    cfg = model.config
+    base = model.model
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return DecoderParts(
+        embed=base.embed_tokens,
+        layers=base.layers,
+        rotary=base.rotary_emb,
+        norm=base.norm,
+        head=model.lm_head,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+    )
+
+
+# Families whose decoder layer takes (hidden, attention_mask, position_ids, cache, position_embeddings).
+FAMILY_PARTS: dict[str, Callable[[nn.Module], DecoderParts]] = {
+    "llama": _llama_like_parts,
+    "mistral": _llama_like_parts,
+    "qwen2": _llama_like_parts,
+    "qwen3": _llama_like_parts,
+}
+
+
+def decoder_parts(model: nn.Module) -> DecoderParts:
+    """Split a causal LM into parts; raise a clear error for families without a layer-level seam yet."""
+    model_type = getattr(model.config, "model_type", "?")
+    if model_type not in FAMILY_PARTS:
+        raise ModelLoadError(
+            f"model family '{model_type}' is not supported for speculation yet; supported: {sorted(FAMILY_PARTS)}"
+        )
+    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
+        logger.warning("sliding-window attention is ignored: contexts must stay within the window")
+    return FAMILY_PARTS[model_type](model)
+
+
+class LayerStack(nn.Module):
+    """Layers 1..exit_layers[-1] of a decoder, cut into segments that end at each exit; norm and head shared."""
+
+    def __init__(self, parts: DecoderParts, exit_layers: list[int], layers: nn.ModuleList | None = None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.exit_layers = list(exit_layers)
+        self.layers = layers if layers is not None else nn.ModuleList(list(parts.layers)[: exit_layers[-1]])
+        if len(self.layers) < exit_layers[-1]:
+            raise ModelLoadError(f"exit {exit_layers[-1]} is deeper than the {len(self.layers)} layers available")
+        bounds = [0, *exit_layers]
+        self.segments = list(zip(bounds[:-1], bounds[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts.head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.head.weight.device
+
+    def new_cache(self) -> SlotKVCache:
+        return SlotKVCache(
+            self.exit_layers[-1], self.parts.num_kv_heads, self.parts.head_dim, self.dtype, self.device
+        )
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [n, s] -> hidden [n, s, h]."""
+        return self.parts.embed(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Shared final norm and LM head: hidden [..., h] -> logits [..., V]."""
+        return self.parts.head(self.parts.norm(hidden))
+
+    def run_segment(
+        self, seg: int, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache
+    ) -> torch.Tensor:
+        """Push x: [n, s, h] at positions: [n, s] of cache rows: [n] through one segment's layers."""
+        lo, hi = self.segments[seg]
+        kv_len = int(positions.max()) + 1
+        cache.select(rows, positions, kv_len)
+        mask = slot_mask(positions, kv_len, x.dtype)
+        cos_sin = self.parts.rotary(x, position_ids=positions)
+        for layer in self.layers[lo:hi]:
+            out = layer(x, attention_mask=mask, position_ids=positions, cache=cache, position_embeddings=cos_sin)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+
+@dataclass
+class RowState:
+    """One sequence's place in a cache: its row, the tokens it was synced to, KV fill per segment."""
+
+    row: int
+    tokens: list[int] = field(default_factory=list)
+    filled: list[int] = field(default_factory=list)  # per segment: positions [0, filled) hold KV
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] holds, a[:hi] == b[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RowTable:
+    """seq_id -> RowState with a free list; sync() is the KV rollback (cut fill back to the common token prefix)."""
+
+    def __init__(self, num_segments: int, cache: SlotKVCache) -> None:
+        self.num_segments = num_segments
+        self.cache = cache
+        self.states: dict[str, RowState] = {}
+        self._free: list[int] = []
+        self._next_row = 0
+
+    def sync(self, seq_id: str, tokens: list[int]) -> RowState:
+        state = self.states.get(seq_id)
+        if state is None:
+            row = self._free.pop() if self._free else self._take_new_row()
+            state = RowState(row=row, filled=[0] * self.num_segments)
+            self.states[seq_id] = state
+        else:
+            keep = common_prefix(state.tokens, tokens)
+            if keep < min(state.filled, default=0):
+                logger.debug("seq %s: prefix mismatch at %d, recomputing from there", seq_id, keep)
+            state.filled = [min(f, keep) for f in state.filled]
+        state.tokens = list(tokens)
+        return state
+
+    def _take_new_row(self) -> int:
+        row = self._next_row
+        self._next_row += 1
+        return row
+
+    def release(self, seq_id: str) -> None:
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.cache.clear_row(state.row)
+            self._free.append(state.row)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
+def pending_grid(starts: list[int], ends: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions start..end (inclusive) per row, padded on the right past `end` with dummy positions.
+
+    Returns positions: [n, s] and valid: [n, s]. Dummy positions write only to slots after the row's last token,
+    which are rewritten before any real query can attend to them.
+    """
+    counts = [e - s + 1 for s, e in zip(starts, ends)]
+    width = max(counts)
+    offs = torch.arange(width, device=device)
+    start_t = torch.tensor(starts, device=device)[:, None]
+    count_t = torch.tensor(counts, device=device)[:, None]
+    return start_t + offs, offs < count_t

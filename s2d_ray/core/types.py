@@ -1,0 +1,127 @@
+"""Plain dataclasses exchanged between drafter, verifier, sampler and engine (and, pickled, between Ray deployments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen; applied to the target p and the draft q alike so speculation stays exact."""
+
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1 disables
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """Ask the drafter for up to `k` tokens continuing `tokens` (the committed sequence, prompt included)."""
+
+    seq_id: str
+    tokens: list[int]
+    k: int
+    params: SamplingParams = SamplingParams()
+    round_seed: int = 0  # derived from (request seed, position) so sampling is reproducible across replicas
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one sequence. `q` is None for greedy drafting (a one-hot q)."""
+
+    tokens: list[int]  # [k']  k' <= k (confidence stop may end early)
+    q: torch.Tensor | None  # [k', V] draft probabilities the tokens were sampled from
+    exits: list[int]  # [k'] exit layer each token left the draft at
+
+    @staticmethod
+    def empty() -> "Proposal":
+        return Proposal(tokens=[], q=None, exits=[])
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Ask the verifier for target logits at the last `num_logits` positions of `tokens` (committed + draft)."""
+
+    seq_id: str
+    tokens: list[int]
+    num_logits: int
+
+
+@dataclass
+class RoundResult:
+    """What one verification round did for one sequence."""
+
+    n_drafted: int
+    n_accepted: int  # accepted draft tokens, bonus excluded
+    new_tokens: list[int]  # accepted draft tokens + the target's own next token (before stop truncation)
+    exits: list[int]
+
+
+@dataclass
+class SequenceMetrics:
+    """Per-request counters in vLLM's naming, plus S2D's exit histogram and timing."""
+
+    num_spec_steps: int = 0  # rounds that verified at least one draft token
+    num_target_forwards: int = 0  # every verification forward, plain steps included
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_generated_tokens: int = 0
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)  # n_accepted -> rounds
+    exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer -> draft tokens proposed there
+    accepted_exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer -> accepted draft tokens
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    total_seconds: float = 0.0
+    first_token_seconds: float | None = None
+
+    def record(self, result: RoundResult, n_emitted: int) -> None:
+        self.num_target_forwards += 1
+        self.num_generated_tokens += n_emitted
+        if result.n_drafted == 0:
+            return
+        self.num_spec_steps += 1
+        self.num_draft_tokens += result.n_drafted
+        self.num_accepted_draft_tokens += result.n_accepted
+        h = self.acceptance_histogram
+        h[result.n_accepted] = h.get(result.n_accepted, 0) + 1
+        for i, layer in enumerate(result.exits):
+            self.exit_histogram[layer] = self.exit_histogram.get(layer, 0) + 1
+            if i < result.n_accepted:
+                self.accepted_exit_histogram[layer] = self.accepted_exit_histogram.get(layer, 0) + 1
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per target forward, bonus included (MAT; plain decoding = 1.0)."""
+        return self.num_generated_tokens / self.num_target_forwards if self.num_target_forwards else 0.0
+
+    def to_dict(self) -> dict:
+        other = max(self.total_seconds - self.draft_seconds - self.target_seconds, 0.0)
+        return {
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "num_spec_steps": self.num_spec_steps,
+            "num_target_forwards": self.num_target_forwards,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "acceptance_histogram": {str(k): v for k, v in sorted(self.acceptance_histogram.items())},
+            "exit_histogram": {str(k): v for k, v in sorted(self.exit_histogram.items())},
+            "accepted_exit_histogram": {str(k): v for k, v in sorted(self.accepted_exit_histogram.items())},
+            "tokens_per_second": self.num_generated_tokens / self.total_seconds if self.total_seconds else 0.0,
+            "draft_seconds": self.draft_seconds,
+            "target_seconds": self.target_seconds,
+            "other_seconds": other,
+            "total_seconds": self.total_seconds,
+            "time_to_first_token_seconds": self.first_token_seconds,
+        }

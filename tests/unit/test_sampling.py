@@ -1,0 +1,131 @@
+"""Speculative sampling follows the target distribution exactly; wrong acceptance rules are caught."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from core_fixtures import noisy_draft, tiny_target
+from s2d_ray.core.draft import SortedDrafter
+from s2d_ray.core.engine import GenerationRequest, SpecEngine
+from s2d_ray.core.policy import FixedK
+from s2d_ray.core.sampling import logits_to_probs, rejection_sample, sample
+from s2d_ray.core.target import TargetVerifier
+from s2d_ray.core.types import SamplingParams
+
+V = 6
+
+
+
+
+def wrong_residual(draft_tokens, q, target_logits, params, generator):
+    """Wrong: on rejection draw from p instead of norm(max(0, p - q))."""
+    p = logits_to_probs(target_logits, params)
+    k = len(draft_tokens)
+    for i, x in enumerate(draft_tokens):
+        if float(torch.rand(1, generator=generator)) >= min(1.0, float(p[i, x] / q[i, x])):
+            return i, sample(p[i], generator)
+    return k, sample(p[k], generator)
+
+
+def accept_by_ratio_q_over_p(draft_tokens, q, target_logits, params, generator):
+    """Wrong: the ratio inverted, min(1, q(x)/p(x)); residual as in the paper."""
+    p = logits_to_probs(target_logits, params)
+    k = len(draft_tokens)
+    for i, x in enumerate(draft_tokens):
+        if float(torch.rand(1, generator=generator)) >= min(1.0, float(q[i, x] / p[i, x])):
+            res = (p[i] - q[i]).clamp_min(0)
+            return i, sample(res / res.sum(), generator)
+    return k, sample(p[k], generator)
+
+
+def first_two_tokens(rule, p_logits, q, n, params, seed=0):
+    """Histogram of the first two emitted tokens over n rounds with context-independent p and q (k=2)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    second_p = logits_to_probs(p_logits[1:], params)
+    for _ in range(n):
+        draft = [sample(q[i], gen) for i in range(2)]
+        n_acc, nxt = rule(draft, q, p_logits, params, gen)
+        out = draft[:n_acc] + [nxt]
+        if len(out) < 2:  # a rejection at position 0: the next round would draw token 2 from p[1]
+            out.append(sample(second_p[0], gen))
+        counts[out[0], out[1]] += 1
+    return counts / n
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+@pytest.fixture(scope="module")
+def dists():
+    gen = torch.Generator().manual_seed(3)
+    p_logits = torch.randn(3, V, generator=gen, dtype=torch.float64) * 1.5
+    q = torch.softmax(torch.randn(2, V, generator=gen, dtype=torch.float64) * 1.5, -1)
+    return p_logits, q
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.3, top_p=0.8)])
+def test_rejection_sampling_matches_target_and_converges(dists, params):
+    p_logits, q = dists
+    p = logits_to_probs(p_logits, params)
+    exact = p[0][:, None] * p[1][None, :]
+    err_small = tv(first_two_tokens(rejection_sample, p_logits, q, 500, params), exact)
+    err_large = tv(first_two_tokens(rejection_sample, p_logits, q, 8000, params, seed=1), exact)
+    assert err_large < 0.05
+    assert err_large < err_small  # more samples close in on p (convergence, not luck)
+
+
+@pytest.mark.parametrize("rule", [wrong_residual, accept_by_ratio_q_over_p])
+def test_wrong_acceptance_rules_fail_the_same_check(dists, rule):
+    params = SamplingParams(temperature=1.0)
+    p_logits, q = dists
+    p = logits_to_probs(p_logits, params)
+    exact = p[0][:, None] * p[1][None, :]
+    assert tv(first_two_tokens(rule, p_logits, q, 8000, params, seed=1), exact) > 0.08
+
+
+def test_logits_to_probs_filters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert logits_to_probs(logits, SamplingParams())[0].tolist() == [1, 0, 0, 0, 0]
+    top2 = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))[0]
+    assert (top2[2:] == 0).all() and torch.isclose(top2.sum(), torch.tensor(1.0))
+    nucleus = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))[0]
+    assert nucleus[0] > 0 and nucleus[1] > 0 and (nucleus[2:] == 0).all()  # 0.64 < 0.7 needs the second token
+
+
+def exact_two_token_distribution(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    with torch.no_grad():
+        p1 = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params)
+        vocab = p1.shape[0]
+        ids = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = logits_to_probs(model(ids).logits[:, -1], params)
+    return p1[:, None] * p2
+
+
+def engine_two_token_histogram(target, drafter, sampler, prompt, params, n) -> torch.Tensor:
+    engine = SpecEngine(TargetVerifier(target), drafter, FixedK(2), sampler=sampler)
+    reqs = [GenerationRequest(f"s{i}", prompt, 2, SamplingParams(params.temperature, params.top_k, params.top_p, i))
+            for i in range(n)]
+    vocab = target.config.vocab_size
+    counts = torch.zeros(vocab, vocab, dtype=torch.float64)
+    for res in engine.generate(reqs):
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("sampler,ok", [(rejection_sample, True), (accept_by_ratio_q_over_p, False)])
+def test_engine_samples_follow_target_distribution(sampler, ok):
+    """End to end through draft, batched verification and commit: 2-token outputs ~ the target's joint."""
+    target = tiny_target(seed=5, vocab_size=8, scale=1.5)
+    drafter = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
+    params = SamplingParams(temperature=1.0)
+    prompt = [3, 5, 7]
+    exact = exact_two_token_distribution(target, prompt, params)
+    emp = engine_two_token_histogram(target, drafter, sampler, prompt, params, 3000)
+    err = tv(emp, exact)
+    assert (err < 0.06) if ok else (err > 0.06), err
