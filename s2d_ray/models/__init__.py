@@ -1,0 +1,32 @@
+"""Model sources and loading: named sources (PyPI wheels, LoRA merges), HF directories, GGUF files.
+
+The model hub is never contacted: HF_HUB_OFFLINE defaults to 1 and every load passes local_files_only=True.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from s2d_ray.models.loader import LoadedModel, check_same_vocabulary, load_model  # noqa: E402
+from s2d_ray.models.sources import (  # noqa: E402
+    NAMED_SOURCES,
+    NamedSource,
+    canonical_source,
+    default_cache_dir,
+    register_source,
+    resolve_model_dir,
+    sha256_file,
+)
+
+__all__ = [
+    "NAMED_SOURCES",
+    "LoadedModel",
+    "NamedSource",
+    "canonical_source",
+    "check_same_vocabulary",
+    "default_cache_dir",
+    "load_model",
+    "register_source",
+    "resolve_model_dir",
+    "sha256_file",
+]
