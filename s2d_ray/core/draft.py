@@ -45,6 +45,7 @@ class DraftSpec:
     exit_layers: list[int]
     thresholds: list[float]  # one tau per exit; the last exit always emits
     trained_norm_head: bool = False  # True when the draft's own norm/head are stored (not the base's)
+    reduced_vocab: int | None = None  # size of the draft head's token subset (ids stored with the weights)
     provenance: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -58,15 +59,19 @@ class DraftSpec:
 class SortedDraft(nn.Module):
     """A nested multi-exit draft. `layers` are its own (trained) or the base's first L (a cut, untrained draft)."""
 
-    def __init__(self, parts: DecoderParts, spec: DraftSpec, layers: nn.ModuleList | None = None) -> None:
+    def __init__(self, parts: DecoderParts, spec: DraftSpec, layers: nn.ModuleList | None = None,
+                 vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         spec.validate()
+        if vocab_ids is not None:
+            spec.reduced_vocab = int(vocab_ids.numel())
         self.spec = spec
         if layers is None:
             layers = nn.ModuleList(list(parts.layers)[: spec.num_layers])
         self.layers = layers
         self.parts = parts
-        self.stack = LayerStack(parts, spec.exit_layers, layers=self.layers)
+        self.vocab_ids = vocab_ids
+        self.stack = LayerStack(parts, spec.exit_layers, layers=self.layers, vocab_ids=vocab_ids)
 
     @classmethod
     def cut(cls, base_model: nn.Module, base_source: str, num_layers: int, exit_layers: list[int] | None = None,
@@ -88,7 +93,13 @@ class SortedDraft(nn.Module):
         thresholds = thresholds if thresholds is not None else paper_thresholds(len(exit_layers))
         spec = DraftSpec(self.spec.base_model, self.spec.num_layers, list(exit_layers), list(thresholds),
                          self.spec.trained_norm_head, dict(self.spec.provenance))
-        return SortedDraft(self.parts, spec, self.layers)
+        return SortedDraft(self.parts, spec, self.layers, self.vocab_ids)
+
+    def with_vocab(self, vocab_ids: torch.Tensor | None) -> "SortedDraft":
+        """The same draft proposing only from `vocab_ids` (sorted token ids), or from the full vocabulary."""
+        spec = DraftSpec(**{**asdict(self.spec), "reduced_vocab": None})
+        ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long).sort().values
+        return SortedDraft(self.parts, spec, self.layers, ids)
 
     # --- persistence: only what differs from the base is stored -------------------------------------------------
     def save(self, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -99,7 +110,10 @@ class SortedDraft(nn.Module):
         if self.spec.trained_norm_head:
             tensors.update({f"norm.{k}": v for k, v in self.parts.norm.state_dict().items()})
             tensors.update({f"head.{k}": v for k, v in self.parts.head.state_dict().items()})
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, str(directory / DRAFT_WEIGHTS))
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}
+        if self.vocab_ids is not None:
+            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).contiguous()
+        save_file(tensors, str(directory / DRAFT_WEIGHTS))
         (directory / DRAFT_CONFIG).write_text(json.dumps(asdict(self.spec), indent=2))
 
     @classmethod
@@ -123,7 +137,7 @@ class SortedDraft(nn.Module):
             parts.norm, parts.head = copy.deepcopy(parts.norm), copy.deepcopy(parts.head)
             parts.norm.load_state_dict(_strip(tensors, "norm."))
             parts.head.load_state_dict(_strip(tensors, "head."))
-        draft = cls(parts, spec, layers).to(dtype)
+        draft = cls(parts, spec, layers, tensors.get("vocab_ids")).to(dtype)
         draft.requires_grad_(False)
         return draft
 

@@ -73,9 +73,19 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
 class LayerStack(nn.Module):
     """Layers 1..exit_layers[-1] of a decoder, cut into segments that end at each exit; norm and head shared."""
 
-    def __init__(self, parts: DecoderParts, exit_layers: list[int], layers: nn.ModuleList | None = None) -> None:
+    def __init__(
+        self,
+        parts: DecoderParts,
+        exit_layers: list[int],
+        layers: nn.ModuleList | None = None,
+        vocab_ids: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.parts = parts
+        # A reduced-vocabulary head (draft only): logits for `vocab_ids`, -inf elsewhere. Verification stays exact
+        # because the target checks every token; the draft just never proposes the rest.
+        self.vocab_ids = vocab_ids
+        self._head_rows = None if vocab_ids is None else parts.head.weight.detach()[vocab_ids].clone()
         self.exit_layers = list(exit_layers)
         self.layers = layers if layers is not None else nn.ModuleList(list(parts.layers)[: exit_layers[-1]])
         if len(self.layers) < exit_layers[-1]:
@@ -101,8 +111,13 @@ class LayerStack(nn.Module):
         return self.parts.embed(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Shared final norm and LM head: hidden [..., h] -> logits [..., V]."""
-        return self.parts.head(self.parts.norm(hidden))
+        """Shared final norm and LM head: hidden [..., h] -> logits [..., V] (full vocabulary, always)."""
+        normed = self.parts.norm(hidden)
+        if self.vocab_ids is None:
+            return self.parts.head(normed)
+        sub = torch.nn.functional.linear(normed, self._head_rows.to(normed.dtype))
+        full = sub.new_full((*sub.shape[:-1], self.parts.head.weight.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids.to(sub.device), sub)
 
     def run_segment(
         self, seg: int, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache

@@ -115,3 +115,30 @@ def test_abort_frees_state_mid_generation(target):
     while engine.has_unfinished:
         engine.step()
     assert verifier.num_active == 0 and drafter.num_active == 0
+
+
+def test_reduced_vocabulary_draft_is_lossless_and_never_proposes_outside(target):
+    prompts = random_prompts(4, seed=13)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 32, batch=True)
+    subset = torch.arange(0, 96, 2)  # half the vocabulary
+    drafter = SortedDrafter(noisy_draft(target).with_vocab(subset))
+    out = run(SpecEngine(TargetVerifier(target), drafter, FixedK(4)), prompts, 32, batch=True)
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    from s2d_ray.core.types import DraftRequest
+
+    props = drafter.propose([DraftRequest("x", p, 6) for p in prompts])
+    assert all(t % 2 == 0 for prop in props for t in prop.tokens)
+
+
+def test_draft_save_load_roundtrip_keeps_exits_vocab_and_outputs(target, tmp_path):
+    from s2d_ray.core.draft import SortedDraft
+
+    draft = noisy_draft(target).with_vocab(torch.arange(10, 90))
+    draft.save(tmp_path / "d", dtype=torch.float64)
+    loaded = SortedDraft.load(tmp_path / "d", target)
+    assert loaded.spec.exit_layers == draft.spec.exit_layers and loaded.spec.reduced_vocab == 80
+    prompts = random_prompts(3, seed=17)
+    a = run(SpecEngine(TargetVerifier(target), SortedDrafter(draft), FixedK(3)), prompts, 20, True)
+    b = run(SpecEngine(TargetVerifier(target), SortedDrafter(loaded), FixedK(3)), prompts, 20, True)
+    assert [x.metrics["exit_histogram"] for x in a] == [y.metrics["exit_histogram"] for y in b]
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]

@@ -129,3 +129,12 @@ def test_engine_samples_follow_target_distribution(sampler, ok):
     emp = engine_two_token_histogram(target, drafter, sampler, prompt, params, 3000)
     err = tv(emp, exact)
     assert (err < 0.06) if ok else (err > 0.06), err
+
+
+def test_reduced_vocabulary_draft_still_samples_the_target_distribution():
+    target = tiny_target(seed=5, vocab_size=8, scale=1.5)
+    drafter = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]).with_vocab(torch.arange(0, 5)))
+    params = SamplingParams(temperature=1.0)
+    exact = exact_two_token_distribution(target, [3, 5, 7], params)
+    emp = engine_two_token_histogram(target, drafter, rejection_sample, [3, 5, 7], params, 3000)
+    assert tv(emp, exact) < 0.06
