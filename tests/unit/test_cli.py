@@ -1,0 +1,46 @@
+"""`s2d generate` end to end on a tiny model directory, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from s2d_ray.cli import main
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "s2d_ray.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_same_tokens_in_every_mode(tiny_llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?"}\n{"prompt": "Write a poem"}\n')
+    outs = {}
+    for mode in ("ar", "s2d", "exit:1"):
+        code = main(["generate", "--target", str(tiny_llama_dir), "--draft", f"cut:{tiny_llama_dir}:2", "--mode", mode,
+                     "--prompt-file", str(prompts), "--chat", "--max-new-tokens", "12", "--json", "--batch-size", "2"])
+        assert code == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(rows) == 2 and all(len(r["token_ids"]) <= 12 for r in rows)
+        assert {"mean_acceptance_length", "acceptance_histogram", "exit_histogram"} <= set(rows[0]["metrics"])
+        outs[mode] = [r["token_ids"] for r in rows]
+    assert outs["ar"] == outs["s2d"] == outs["exit:1"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["generate", "--prompt", "hi", "--mode", "turbo"], "mode"),
+    (["generate"], "required"),
+    (["generate", "--prompt", "hi", "--target", "/nonexistent/model"], "does not exist"),
+    (["generate", "--prompt-file", "/nonexistent.txt"], "does not exist"),
+    (["generate", "--prompt", "hi", "--exits", "a,b"], "integers"),
+])
+def test_bad_arguments_print_one_line_and_exit_2(args, needle):
+    proc = run_cli(args)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("s2d: error:") and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
