@@ -65,8 +65,11 @@ def test_ar_mode_matches_transformers_generate(smollm2):
     torch.set_num_threads(2)
     tok = smollm2.tokenizer
     ids = encode_prompt(tok, PROMPTS[0], chat=True)
-    ours = SpecEngine(TargetVerifier(smollm2.model)).generate([GenerationRequest("a", ids, 16)])[0].token_ids
+    ours = SpecEngine(TargetVerifier(smollm2.model)).generate([GenerationRequest("a", ids, 48)])[0].token_ids
     with torch.no_grad():
-        hf = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+        # An explicit mask: the chat prompt contains <|im_end|>, which is also the pad id, and generate would
+        # otherwise infer a mask that hides those prompt tokens.
+        hf = smollm2.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=48, do_sample=False, eos_token_id=None,
                                     pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
     assert_same_or_near_tie(smollm2.model, ids, hf, ours)
