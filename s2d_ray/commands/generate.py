@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=5, help="fixed k, or the heuristic's starting k")
     p.add_argument("--exits", type=_int_list, default=None, help="override exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=_float_list, default=None, help="override thresholds, e.g. 0.5,0.5,0")
+    p.add_argument("--stop-confidence", type=float, default=0.0,
+                   help="stop drafting when the draft's probability of its token falls below this")
     p.add_argument("--calibration", default=None, help="per-target profile from `s2d calibrate`")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -31,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         target=TargetConfig(name=args.target, dtype=args.dtype, calibration=args.calibration),
-        draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds),
+        draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
+                          stop_confidence=args.stop_confidence),
         spec=SpecConfig(mode=args.mode, policy=args.policy, k=args.k),
         num_threads=args.threads,
     )

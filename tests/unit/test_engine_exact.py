@@ -142,3 +142,14 @@ def test_draft_save_load_roundtrip_keeps_exits_vocab_and_outputs(target, tmp_pat
     b = run(SpecEngine(TargetVerifier(target), SortedDrafter(loaded), FixedK(3)), prompts, 20, True)
     assert [x.metrics["exit_histogram"] for x in a] == [y.metrics["exit_histogram"] for y in b]
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
+
+
+def test_confidence_stop_drafts_fewer_tokens_and_stays_lossless(target):
+    prompts = random_prompts(4, seed=19)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 32, batch=True)
+    full = run(SpecEngine(TargetVerifier(target), SortedDrafter(noisy_draft(target)), FixedK(6)), prompts, 32, True)
+    stopping = SortedDrafter(noisy_draft(target), stop_confidence=0.06)
+    cut = run(SpecEngine(TargetVerifier(target), stopping, FixedK(6)), prompts, 32, True)
+    assert [c.token_ids for c in cut] == [a.token_ids for a in ar]
+    drafted = lambda res: sum(r.metrics["num_draft_tokens"] / r.metrics["num_spec_steps"] for r in res)  # noqa: E731
+    assert drafted(cut) < drafted(full)
