@@ -1,0 +1,40 @@
+"""S2D on Ray Serve: one shared sorted-draft deployment, one deployment per target (optionally DeepSpeed TP), and an
+OpenAI-compatible router that runs the rounds.
+
+`build_app(args)` is the import path Serve YAMLs name (`import_path: s2d_ray.serve:build_app`); heavy imports
+(ray, torch, transformers) happen inside it, so importing the package for its config stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from .app_config import AppConfig, DraftDeploymentConfig, Limits, RouterOptions, TargetSpec
+
+if TYPE_CHECKING:
+    from ray.serve import Application
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AppConfig", "DraftDeploymentConfig", "Limits", "RouterOptions", "TargetSpec", "build_app"]
+
+
+def build_app(args: dict[str, Any] | AppConfig) -> "Application":
+    """Validate the config and bind the application: draft (unless mode `ar`), one deployment per target, router."""
+    from .draft_deployment import DraftDeployment
+    from .router import Router
+    from .target_deployment import TargetDeployment
+
+    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    draft = None
+    if cfg.uses_draft:
+        draft = DraftDeployment.options(name="draft", **cfg.draft.serve_options()).bind(cfg)
+    targets = {
+        t.name: TargetDeployment.options(name=f"target-{t.name}", **t.serve_options(), **t.placement())
+        .bind(cfg, t.name)
+        for t in cfg.targets
+    }
+    logger.info("s2d app: targets=%s draft=%s mode=%s", [t.name for t in cfg.targets],
+                cfg.draft.source if cfg.uses_draft else None, cfg.spec.mode)
+    return Router.options(name="router", **cfg.router.serve_options()).bind(cfg, draft, targets)

@@ -1,0 +1,183 @@
+"""The serving configuration: which targets, the one shared draft, limits and access, as one validated pydantic model.
+
+`build_app(args)` validates `args` (the `args:` block of a Serve YAML) with `AppConfig.model_validate`, so every
+mistake is reported at `serve run` / `serve deploy` time, naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from ..config import DEFAULT_TARGET, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeploymentOptions(_Strict):
+    """The Ray Serve options of one deployment (a subset of Serve's, with defaults that fit a 2-core machine)."""
+
+    num_replicas: int | None = Field(1, ge=1, description="Fixed replica count; leave unset when autoscaling.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...)."
+    )
+    num_cpus: float = Field(0.5, ge=0, description="Logical CPUs reserved for each replica actor.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for each replica actor.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per replica.")
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict, description="Further ray_actor_options (runtime_env, memory, ...) merged over ours."
+    )
+    max_ongoing_requests: int = Field(256, ge=1, description="Concurrent calls one replica accepts.")
+    health_check_period_s: float = Field(10.0, gt=0, description="Seconds between check_health calls.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="A check_health slower than this fails.")
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> "DeploymentOptions":
+        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("give either num_replicas or autoscaling_config, not both")
+        return self
+
+    def actor_options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        opts.update(self.ray_actor_options)
+        return opts
+
+    def serve_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options`."""
+        opts: dict[str, Any] = {
+            "ray_actor_options": self.actor_options(),
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+        }
+        if self.autoscaling_config is not None:
+            opts["autoscaling_config"] = dict(self.autoscaling_config)
+        else:
+            opts["num_replicas"] = self.num_replicas
+        return opts
+
+
+class BatchOptions(_Strict):
+    """How concurrent calls merge into one forward (`@serve.batch`)."""
+
+    max_batch_size: int = Field(16, ge=1, description="Most calls merged into one forward.")
+    batch_wait_timeout_s: float = Field(
+        0.002, ge=0, description="How long the first call of a batch waits for others (adds latency at low load)."
+    )
+
+
+class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
+    """One target deployment: the model (TargetConfig), its Serve options and tensor parallelism."""
+
+    tp_size: int = Field(1, ge=1, le=64, description="DeepSpeed AutoTP ranks (Ray actors in the replica's group).")
+    tp_worker_cpus: float = Field(0.5, ge=0, description="Logical CPUs per TP worker actor.")
+    tp_worker_gpus: float = Field(0.0, ge=0, description="GPUs per TP worker actor (1 on GPU nodes).")
+    tp_worker_resources: dict[str, float] = Field(default_factory=dict, description="Custom resources per TP worker.")
+    tp_init_timeout_s: float = Field(
+        600.0, gt=0, description="Loading + init_inference of the whole group must finish within this."
+    )
+    max_concurrent_sequences: int | None = Field(
+        None, ge=1, description="Sequences decoded together for this target; default: limits.max_concurrent_sequences."
+    )
+
+    @model_validator(mode="after")
+    def _tp_dtype(self) -> "TargetSpec":
+        if self.tp_size > 1 and self.dtype == "float64":
+            raise ValueError(f"target {self.name}: DeepSpeed AutoTP does not support float64; use float32 or bfloat16")
+        return self
+
+    def placement(self) -> dict[str, Any]:
+        """Placement group options for a TP replica: bundle 0 is the replica, bundles 1..N its ranks (one node)."""
+        if self.tp_size == 1:
+            return {}
+        replica = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        worker = {"CPU": self.tp_worker_cpus, "GPU": self.tp_worker_gpus, **self.tp_worker_resources}
+        bundles = [{k: v for k, v in b.items() if v} for b in [replica] + [worker] * self.tp_size]
+        return {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+
+
+class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
+    """The ONE sorted draft every target shares (one tokenizer family), and how the router treats its failures."""
+
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field("float32", description="Draft weights dtype.")
+    call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
+    retry_after_s: float = Field(
+        5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
+    )
+
+
+class RouterOptions(DeploymentOptions):
+    """The ingress deployment (OpenAI API, the decode loops); it holds tokenizers only, no weights."""
+
+    max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent HTTP/handle requests one router accepts.")
+
+
+class Limits(_Strict):
+    """Request limits; the defaults keep a 2-core machine responsive."""
+
+    max_concurrent_sequences: int = Field(8, ge=1, description="Sequences decoded together per target.")
+    max_queued_requests: int = Field(64, ge=0, description="Requests waiting per target beyond that; more get 429.")
+    max_prompt_tokens: int = Field(4096, ge=1, description="Longest accepted prompt (tokens).")
+    max_total_tokens: int = Field(8192, ge=2, description="Prompt + completion limit (also capped by the context).")
+    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
+    max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
+    request_timeout_s: float = Field(300.0, gt=0, description="A request still running after this is aborted (504).")
+    score_timeout_s: float = Field(120.0, gt=0, description="A target verification call slower than this fails (503).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger HTTP bodies get 413.")
+    seq_idle_ttl_s: float = Field(
+        900.0, gt=0, description="Deployments drop KV of sequences untouched this long (state leaked by a dead router)."
+    )
+
+
+class AppConfig(_Strict):
+    """Everything `serve run deployments/*.yaml` needs: targets, the shared draft, speculation, limits, access."""
+
+    targets: list[TargetSpec] = Field(
+        default_factory=lambda: [TargetSpec(name=DEFAULT_TARGET)], min_length=1,
+        description="Target deployments; the request's `model` picks one by name.",
+    )
+    draft: DraftDeploymentConfig = Field(default_factory=DraftDeploymentConfig, description="The shared draft.")
+    spec: SpecConfig = Field(default_factory=SpecConfig, description="Speculation mode and draft-length policy.")
+    limits: Limits = Field(default_factory=Limits, description="Request limits.")
+    router: RouterOptions = Field(default_factory=RouterOptions, description="Ingress deployment options.")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer key required on HTTP requests; default: $S2D_API_KEY; unset = open."
+    )
+    cache_dir: str | None = Field(None, description="Where converted models live; default $S2D_CACHE_DIR or ~/.cache.")
+    trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
+    num_threads: int | None = Field(1, ge=1, description="torch threads in each replica and TP worker.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "AppConfig":
+        names = [t.name for t in self.targets]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"target names must be unique; repeated: {dupes}")
+        return self
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.spec.mode != "ar"
+
+    def target(self, name: str) -> TargetSpec:
+        return next(t for t in self.targets if t.name == name)
+
+    def engine_config(self, name: str) -> EngineConfig:
+        """The core EngineConfig of one target (the same object the CLI and benchmarks build from)."""
+        t = self.target(name)
+        return EngineConfig(
+            target=TargetConfig(name=t.name, source=t.source, dtype=t.dtype, max_context=t.max_context,
+                                calibration=t.calibration),
+            draft=DraftConfig(source=self.draft.source, exit_layers=self.draft.exit_layers,
+                              thresholds=self.draft.thresholds, stop_confidence=self.draft.stop_confidence),
+            spec=self.spec, cache_dir=self.cache_dir, trust_remote_code=self.trust_remote_code,
+            num_threads=self.num_threads,
+        )
+
+    def max_sequences(self, name: str) -> int:
+        return self.target(name).max_concurrent_sequences or self.limits.max_concurrent_sequences

@@ -1,0 +1,104 @@
+"""The ONE sorted-draft deployment every target shares: concurrent propose calls from all targets merge into one
+batched draft forward (`@serve.batch`); KV per sequence id, checked against the token prefix of every call."""
+
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+
+from ..build import _apply_exits, build_draft, load_target, set_threads
+from ..config import DraftConfig, EngineConfig, TargetConfig
+from ..core.draft import SortedDraft, SortedDrafter
+from ..core.types import DraftRequest, Proposal
+from .app_config import AppConfig
+from .state import IdleSequences, ModelThread, draft_base_source, replica_device, split_like
+
+logger = logging.getLogger(__name__)
+
+
+def load_shared_draft(cfg: AppConfig) -> SortedDraft:
+    """Load the draft's base model and the draft on top of it (exits/thresholds from cfg.draft and cfg.spec)."""
+    base_source = draft_base_source(cfg.draft.source)
+    ecfg = EngineConfig(
+        target=TargetConfig(name=base_source, dtype=cfg.draft.dtype),
+        draft=DraftConfig(source=cfg.draft.source, exit_layers=cfg.draft.exit_layers,
+                          thresholds=cfg.draft.thresholds, stop_confidence=cfg.draft.stop_confidence),
+        spec=cfg.spec, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code,
+    )
+    base = load_target(ecfg)
+    base.model.to(replica_device())
+    return build_draft(ecfg, base)
+
+
+def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedDrafter]:
+    """Targets with a calibration profile get their own thresholds (same weights, own KV); others share the default."""
+    out = {}
+    for t in cfg.targets:
+        if t.calibration:
+            tuned = _apply_exits(draft, cfg.engine_config(t.name))
+            out[t.name] = SortedDrafter(tuned, cfg.draft.stop_confidence)
+    return out
+
+
+@serve.deployment(name="draft")
+class DraftDeployment:
+    def __init__(self, cfg: AppConfig) -> None:
+        set_threads(cfg.num_threads)
+        self.thread = ModelThread(cfg.num_threads)
+        draft = load_shared_draft(cfg)
+        self.default = SortedDrafter(draft, cfg.draft.stop_confidence)
+        self.by_target = per_target_drafters(cfg, draft)
+        self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
+        self.propose.set_max_batch_size(cfg.draft.max_batch_size)
+        self.propose.set_batch_wait_timeout_s(cfg.draft.batch_wait_timeout_s)
+        self.num_calls = 0  # propose calls received (one per target round)
+        self.num_forwards = 0  # batched drafting runs
+        self.num_shared_forwards = 0  # runs that drafted for more than one target at once
+        logger.info("draft %s ready: exits=%s thresholds=%s, per-target profiles=%s", cfg.draft.source,
+                    draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target))
+
+    @property
+    def drafters(self) -> list[SortedDrafter]:
+        return [self.default, *self.by_target.values()]
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def propose(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:
+        """One call per (target, round); calls that arrive together are drafted in one forward per profile."""
+        return await self.thread.run(self._propose_sync, targets, batches)
+
+    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:
+        self.num_calls += len(batches)
+        results: list[list[Proposal] | None] = [None] * len(batches)
+        for drafter in self.drafters:
+            idx = [i for i, t in enumerate(targets) if self.by_target.get(t, self.default) is drafter]
+            if not idx:
+                continue
+            group = [batches[i] for i in idx]
+            flat = [r for b in group for r in b]
+            self.idle.touch([r.seq_id for r in flat])
+            self.num_forwards += 1
+            self.num_shared_forwards += len({targets[i] for i in idx}) > 1
+            for i, props in zip(idx, split_like(drafter.propose(flat), group)):
+                results[i] = props
+        return results  # type: ignore[return-value]
+
+    async def release(self, seq_id: str) -> None:
+        await self.thread.run(self._release_sync, [seq_id])
+
+    def _release_sync(self, seq_ids: list[str]) -> None:
+        for s in seq_ids:
+            self.idle.forget(s)
+            for d in self.drafters:
+                d.release(s)
+
+    async def stats(self) -> dict:
+        return {"num_active": sum(d.num_active for d in self.drafters), "num_calls": self.num_calls,
+                "num_forwards": self.num_forwards, "num_shared_forwards": self.num_shared_forwards}
+
+    async def check_health(self) -> None:
+        """Healthy when the model thread answers; also drops KV of sequences idle past the TTL."""
+        expired = self.idle.expired()
+        if expired:
+            logger.warning("dropping draft state of %d idle sequences", len(expired))
+        await self.thread.run(self._release_sync, expired)

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the router, named in vLLM's style (`s2d:spec_decode_num_accepted_tokens_total`, ...).
+
+One registry per router replica (served at /metrics); every series carries the target as `model`, exit counters
+also the draft exit layer as `exit`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+MAT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12, 17)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, m, me = self.registry, ["model"], ["model", "exit"]
+        self.draft_tokens = Counter("s2d:spec_decode_num_draft_tokens", "Draft tokens proposed.", m, registry=r)
+        self.accepted_tokens = Counter("s2d:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, registry=r)
+        self.emitted_tokens = Counter("s2d:spec_decode_num_emitted_tokens",
+                                      "Tokens emitted by verification rounds (accepted + the target's own).", m,
+                                      registry=r)
+        self.spec_steps = Counter("s2d:spec_decode_num_spec_steps", "Rounds that verified draft tokens.", m, registry=r)
+        self.target_forwards = Counter("s2d:spec_decode_num_target_forwards", "Target verification forwards.", m,
+                                       registry=r)
+        self.exit_draft = Counter("s2d:spec_decode_num_draft_tokens_by_exit", "Draft tokens proposed per exit.", me,
+                                  registry=r)
+        self.exit_accepted = Counter("s2d:spec_decode_num_accepted_tokens_by_exit", "Draft tokens accepted per exit.",
+                                     me, registry=r)
+        self.draft_fallbacks = Counter("s2d:spec_decode_draft_fallback_rounds",
+                                       "Rounds decoded target-only because the draft deployment failed.", m, registry=r)
+        self.prompt_tokens = Counter("s2d:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("s2d:generation_tokens", "Generated tokens.", m, registry=r)
+        self.requests = Counter("s2d:request_success", "Finished requests by finish reason.",
+                                ["model", "finished_reason"], registry=r)
+        self.aborts = Counter("s2d:request_aborts", "Requests aborted before finishing (client gone, timeout, error).",
+                              ["model", "reason"], registry=r)
+        self.errors = Counter("s2d:request_errors", "Failed requests by HTTP status.", ["model", "status"], registry=r)
+        self.running = Gauge("s2d:num_requests_running", "Sequences being decoded.", m, registry=r)
+        self.waiting = Gauge("s2d:num_requests_waiting", "Requests queued for a decode slot.", m, registry=r)
+        self.e2e = Histogram("s2d:e2e_request_latency_seconds", "Request latency.", m, buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.ttft = Histogram("s2d:time_to_first_token_seconds", "Time to first token.", m, buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("s2d:time_per_output_token_seconds", "Mean time per output token after the first.", m,
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.mat = Histogram("s2d:request_mean_acceptance_length", "Tokens per target forward (bonus included).", m,
+                             buckets=MAT_BUCKETS, registry=r)
+
+    def record_finished(self, model: str, prompt_tokens: int, finish_reason: str, metrics: dict,
+                        e2e_s: float, ttft_s: float | None) -> None:
+        """Fold one finished request's engine metrics (SequenceMetrics.to_dict()) into the counters; latencies are
+        measured by the router from arrival (queueing included), not from the engine's admission."""
+        self.requests.labels(model, finish_reason).inc()
+        self.prompt_tokens.labels(model).inc(prompt_tokens)
+        self.generation_tokens.labels(model).inc(metrics["num_generated_tokens"])
+        self.draft_tokens.labels(model).inc(metrics["num_draft_tokens"])
+        self.accepted_tokens.labels(model).inc(metrics["num_accepted_draft_tokens"])
+        self.emitted_tokens.labels(model).inc(metrics["num_generated_tokens"])
+        self.spec_steps.labels(model).inc(metrics["num_spec_steps"])
+        self.target_forwards.labels(model).inc(metrics["num_target_forwards"])
+        for layer, n in metrics["exit_histogram"].items():
+            self.exit_draft.labels(model, layer).inc(n)
+        for layer, n in metrics["accepted_exit_histogram"].items():
+            self.exit_accepted.labels(model, layer).inc(n)
+        self.e2e.labels(model).observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.labels(model).observe(ttft_s)
+            n = metrics["num_generated_tokens"]
+            if n > 1:
+                self.tpot.labels(model).observe((e2e_s - ttft_s) / (n - 1))
+        if metrics["num_target_forwards"]:
+            self.mat.labels(model).observe(metrics["mean_acceptance_length"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""From a validated request to an engine GenerationRequest (limits checked), and from tokens back to text."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from ..core.engine import GenerationRequest
+from ..core.types import SamplingParams
+from ..errors import RequestError
+from ..prompts import encode_messages, encode_prompt
+from .app_config import Limits
+from .openai_protocol import GenerateRequest
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model this app does not serve (HTTP 404)."""
+
+
+class RequestTimeoutError(RequestError):
+    """The request ran past limits.request_timeout_s and was aborted (HTTP 504)."""
+
+
+@dataclass
+class ModelInfo:
+    """What the router knows about a target: text <-> ids, its context, its end-of-sequence ids."""
+
+    name: str
+    tokenizer: object
+    max_context: int
+    eos_ids: tuple[int, ...]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode(info: ModelInfo, req: GenerateRequest) -> list[int]:
+    """Prompt token ids: text as is, messages through the chat template, ids checked against the vocabulary."""
+    tok = info.tokenizer
+    if req.prompt_token_ids is not None:
+        if not req.prompt_token_ids:
+            raise RequestError("prompt is empty")
+        bad = [i for i in req.prompt_token_ids if not 0 <= i < len(tok)]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {len(tok)})")
+        return list(req.prompt_token_ids)
+    if req.messages is not None:
+        if not any(m.text().strip() for m in req.messages):
+            raise RequestError("messages are empty")
+        return encode_messages(tok, [{"role": m.role, "content": m.text()} for m in req.messages])
+    return encode_prompt(tok, req.prompt or "", chat=False)
+
+
+def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> GenerationRequest:
+    """Check lengths against the context and the configured limits; a fresh uuid4 seq id per request."""
+    ids = encode(info, req)
+    window = min(info.max_context, limits.max_total_tokens)
+    if len(ids) > limits.max_prompt_tokens:
+        raise RequestError(f"prompt has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}")
+    if len(ids) >= window:
+        raise RequestError(f"prompt has {len(ids)} tokens; {req.model} accepts at most {window - 1} "
+                           "(context length minus one generated token)")
+    if req.max_tokens is not None and req.max_tokens > limits.max_tokens_limit:
+        raise RequestError(f"max_tokens is {req.max_tokens}; the limit is {limits.max_tokens_limit}")
+    max_tokens = req.max_tokens or min(limits.default_max_tokens, window - len(ids))
+    if len(ids) + max_tokens > window:
+        raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {req.model}'s "
+                           f"limit of {window} tokens; lower max_tokens")
+    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop))
+
+
+class TextAssembler:
+    """Incremental detokenization for streaming: never emits half a UTF-8 character or the start of a stop string,
+    and the concatenated deltas always equal the final text (the non-streaming response)."""
+
+    def __init__(self, info: ModelInfo, stop: tuple[str, ...]) -> None:
+        self.info, self.stop = info, stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, tokens: list[int]) -> str:
+        self.ids.extend(tokens)
+        text = self.info.detokenize(self.ids)
+        safe = text.rstrip("\ufffd")
+        safe = safe[: max(len(safe) - self.holdback, 0)]
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self) -> str:
+        """The rest of the text, cut before the first stop string (OpenAI does not return the stop string)."""
+        text = self.final_text()
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text
+        return delta
+
+    def final_text(self) -> str:
+        text = self.info.detokenize(self.ids)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[: min(cuts)] if cuts else text

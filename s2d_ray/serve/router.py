@@ -1,0 +1,344 @@
+"""The ingress: OpenAI-compatible HTTP API, the Python handle API, /health and /metrics.
+
+It holds tokenizers only; per target it owns one TargetScheduler (one SpecEngine + one decode loop) whose drafter is
+the shared draft deployment and whose verifier is the target deployment.
+"""
+
+# No `from __future__ import annotations` here: Serve's ingress re-creates the route methods and FastAPI must see
+# real annotation objects (a string "Request" would be taken for a query parameter).
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..build import make_policy, set_threads
+from ..core.engine import SpecEngine
+from ..errors import CapacityError, RequestError, S2DError
+from ..models import check_same_vocabulary
+from .app_config import AppConfig
+from .metrics import ServeMetrics
+from .openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse, ResponseIds, Usage,
+    error_body, full_response, stream_chunk,
+)
+from .prepare import ModelInfo, ModelNotFoundError, RequestTimeoutError, TextAssembler, to_generation
+from .scheduler import DraftClient, Event, ServiceUnavailableError, TargetClient, TargetScheduler
+from .state import draft_base_source, load_tokenizer, model_context
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+
+
+def api_error(exc: Exception) -> ApiError:
+    """Our exceptions -> HTTP status and OpenAI error body."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ModelNotFoundError):
+        return ApiError(404, str(exc), "model_not_found", "model")
+    if isinstance(exc, RequestTimeoutError):
+        return ApiError(504, str(exc), "timeout", type_="timeout_error")
+    if isinstance(exc, RequestError):
+        return ApiError(400, str(exc), "invalid_value")
+    if isinstance(exc, CapacityError):
+        return ApiError(429, str(exc), "rate_limit_exceeded", type_="rate_limit_error")
+    if isinstance(exc, ServiceUnavailableError):
+        return ApiError(503, str(exc), "service_unavailable", type_="server_error")
+    return ApiError(500, "internal error", "internal_error", type_="server_error")
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return ApiError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), "invalid_value", param)
+
+
+app = FastAPI(title="s2d-ray", description="Sorted speculative decoding served on Ray (OpenAI-compatible).")
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(validation_error(exc))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(ApiError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
+
+
+def _inline_refs(node, defs: dict):
+    """Replace `{"$ref": "#/$defs/X"}` by X's schema (our request models are not recursive)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def _body(model: type[BaseModel]) -> dict:
+    """OpenAPI body schema of a route that parses its own body (so size limits and errors stay ours)."""
+    schema = model.model_json_schema()
+    schema = _inline_refs(schema, schema.get("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+async def _call_stats(handle) -> dict:
+    """A deployment's stats, or the error that prevented them (bounded: a dead replica must not hang /health)."""
+    try:
+        return await asyncio.wait_for(_await(handle.stats.remote()), 5.0)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _await(response):
+    return await response
+
+
+# Serve serializes the class when it is decorated: everything its methods use must be defined above this line.
+@serve.deployment(name="router")
+@serve.ingress(app)
+class Router:
+    def __init__(self, cfg: AppConfig, draft, targets: dict) -> None:
+        set_threads(1)
+        self.cfg = cfg
+        key = cfg.api_key.get_secret_value() if cfg.api_key else os.environ.get("S2D_API_KEY")
+        self._api_key = key or None
+        self.metrics = ServeMetrics()
+        self.draft_handle, self.target_handles = draft, targets
+        self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
+        if cfg.uses_draft:
+            base = load_tokenizer(draft_base_source(cfg.draft.source), cfg.cache_dir, cfg.trust_remote_code)
+            for info in self.models.values():
+                check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
+        self.schedulers = {name: self._scheduler(name) for name in self.models}
+        logger.info("router: targets %s, draft %s, auth %s", sorted(self.models),
+                    cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
+
+    def _model_info(self, name: str) -> ModelInfo:
+        spec = self.cfg.target(name)
+        tok = load_tokenizer(spec.resolved_source, self.cfg.cache_dir, self.cfg.trust_remote_code)
+        ctx = (spec.max_context or model_context(spec.resolved_source, self.cfg.cache_dir)
+               or self.cfg.limits.max_total_tokens)
+        eos = tuple(i for i in {tok.eos_token_id} if i is not None)
+        return ModelInfo(name, tok, ctx, eos)
+
+    def _scheduler(self, name: str) -> TargetScheduler:
+        cfg, info = self.cfg, self.models[name]
+        target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s)
+        draft = None
+        if cfg.uses_draft:
+            fallback = self.metrics.draft_fallbacks.labels(name)
+            draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
+                                on_fallback=fallback.inc)
+        engine = SpecEngine(target, draft, policy=make_policy(cfg.spec), max_context=info.max_context,
+                            detokenize=info.detokenize)
+        return TargetScheduler(name, engine, draft, target, cfg.max_sequences(name), cfg.limits.max_queued_requests,
+                               self.metrics)
+
+    # --- the Python handle API ------------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
+        """`await handle.generate.remote(GenerateRequest(...))`: the whole completion."""
+        req = GenerateRequest.model_validate(request)
+        async with contextlib.aclosing(self._run(req)) as stream:
+            chunks = [c async for c in stream]
+        ids, last = [t for c in chunks for t in c.token_ids], chunks[-1]
+        # The text is decoded from all ids at once, independently of the streamed deltas.
+        assembler = TextAssembler(self.models[req.model], tuple(req.stop))
+        assembler.ids = ids
+        return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
+                                finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics)
+
+    async def generate_stream(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
+        """`handle.options(stream=True).generate_stream.remote(...)`: one chunk per round."""
+        req = GenerateRequest.model_validate(request)
+        async with contextlib.aclosing(self._run(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def stats(self) -> dict:
+        """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
+        out: dict = {"targets": {}}
+        for name, sched in self.schedulers.items():
+            dep = await _call_stats(self.target_handles[name])
+            out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting), "deployment": dep}
+        out["draft"] = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
+        return out
+
+    # --- HTTP ---------------------------------------------------------------------------------------------------
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    async def completions(self, request: Request) -> Response:
+        return await self._openai(request, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai(request, ChatCompletionRequest, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request) -> dict:
+        self._authorize(request)
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context}
+            for m in self.models.values()]}
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 when every target (and the draft) deployment answers within 5 s; 503 with the failures otherwise."""
+        try:
+            stats = await asyncio.wait_for(self.stats(), 5.0)
+        except Exception as exc:
+            return JSONResponse({"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        bad = [n for n, t in stats["targets"].items() if "error" in t["deployment"]]
+        if stats["draft"] is not None and "error" in stats["draft"]:
+            bad.append("draft")  # requests still succeed (target-only), so report but stay 200
+        status = 503 if any(n != "draft" for n in bad) else 200
+        return JSONResponse({"status": "ok" if not bad else "degraded", "failing": bad, **stats}, status_code=status)
+
+    @app.get("/metrics")
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],
+                      chat: bool) -> Response:
+        model = "unknown"
+        try:
+            self._authorize(request)
+            raw = await self._read_body(request)
+            try:
+                json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ApiError(400, f"request body is not valid JSON ({exc})", "invalid_json") from None
+            try:
+                oreq = kind.model_validate_json(raw, strict=True)
+                greq = oreq.to_generate()
+            except ValidationError as exc:
+                raise validation_error(exc) from None
+            model = greq.model if greq.model in self.models else model
+            ids = ResponseIds(chat)
+            if oreq.stream:
+                stream = self._run(greq)
+                first = await anext(stream)  # admission errors (404, 400, 429) still get an HTTP status
+                return StreamingResponse(self._sse(ids, greq.model, first, stream), media_type="text/event-stream")
+            resp = await self.generate(greq)
+            return JSONResponse(full_response(ids, resp))
+        except Exception as exc:
+            err = api_error(exc)
+            if err.status >= 500 and not isinstance(exc, (ApiError, S2DError)):
+                logger.exception("unexpected error")
+            self.metrics.errors.labels(model, str(err.status)).inc()
+            return error_response(err)
+
+    async def _sse(self, ids: ResponseIds, model: str, first: GenerateChunk,
+                   rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(rest):
+            yield f"data: {json.dumps(stream_chunk(ids, model, first, True))}\n\n"
+            try:
+                async for chunk in rest:
+                    yield f"data: {json.dumps(stream_chunk(ids, model, chunk, False))}\n\n"
+            except Exception as exc:  # after the first byte the status is sent: report in-band, like OpenAI
+                err = api_error(exc)
+                self.metrics.errors.labels(model, str(err.status)).inc()
+                yield f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
+                           "invalid_api_key", type_="authentication_error")
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is larger than {limit} bytes", "body_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body.extend(part)
+            if len(body) > limit:
+                raise ApiError(413, f"request body is larger than {limit} bytes", "body_too_large")
+        return bytes(body)
+
+    # --- one request, HTTP or handle ---------------------------------------------------------------------------
+    async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
+        info = self.models.get(req.model)
+        if info is None:
+            raise ModelNotFoundError(f"model {req.model!r} is not served here; available: {sorted(self.models)}")
+        gen = to_generation(info, req, self.cfg.limits)
+        sched = self.schedulers[req.model]
+        arrival, first_token = time.perf_counter(), None
+        text = TextAssembler(info, gen.stop_strings)
+        async with contextlib.aclosing(self._events(sched, gen)) as events:
+            async for ev in events:
+                if ev.tokens and first_token is None:
+                    first_token = time.perf_counter() - arrival
+                delta = text.push(ev.tokens)
+                if not ev.finished:
+                    if ev.tokens:
+                        yield GenerateChunk(text=delta, token_ids=ev.tokens)
+                    continue
+                n_out = len(text.ids)
+                usage = Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n_out,
+                              total_tokens=len(gen.prompt_ids) + n_out)
+                self.metrics.record_finished(req.model, len(gen.prompt_ids), ev.finish_reason or "abort", ev.metrics,
+                                             time.perf_counter() - arrival, first_token)
+                yield GenerateChunk(text=delta + text.finish(), token_ids=ev.tokens, finish_reason=ev.finish_reason,
+                                    usage=usage, metrics=ev.metrics)
+
+    async def _events(self, sched: TargetScheduler, gen) -> AsyncIterator[Event]:
+        """The request's events until it finishes; on timeout, error or a vanished client the sequence is aborted."""
+        queue = sched.submit(gen)
+        deadline = time.monotonic() + self.cfg.limits.request_timeout_s
+        finished, reason = False, "cancelled"  # client gone (CancelledError / generator closed) unless set below
+        try:
+            while not finished:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    reason = "timeout"
+                    raise RequestTimeoutError(
+                        f"request exceeded {self.cfg.limits.request_timeout_s:.0f} s and was aborted") from None
+                if ev.error is not None:
+                    reason = "error"
+                    raise ev.error
+                finished = ev.finished
+                yield ev
+        finally:
+            if not finished:
+                sched.cancel(gen.seq_id)
+                self.metrics.aborts.labels(sched.name, reason).inc()

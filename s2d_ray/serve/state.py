@@ -1,0 +1,92 @@
+"""Small pieces the model deployments share: one model thread per replica, and idle-sequence bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..build import draft_dir, parse_cut
+from ..models import canonical_source, resolve_model_dir
+
+
+class ModelThread:
+    """Runs model work on ONE thread: forwards never block the replica's event loop (health checks, releases keep
+    answering), and a release can never interleave with a forward that is using the same KV rows."""
+
+    def __init__(self, num_threads: int | None) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2d-model")
+        if num_threads:
+            # torch's intra-op thread count is per thread that runs ops: set it on the model thread itself.
+            self._pool.submit(torch.set_num_threads, num_threads).result()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class IdleSequences:
+    """When each sequence id was last used, so state a dead router never released is dropped after a TTL."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._seen: dict[str, float] = {}
+
+    def touch(self, seq_ids: list[str]) -> None:
+        now = time.monotonic()
+        for s in seq_ids:
+            self._seen[s] = now
+
+    def forget(self, seq_id: str) -> None:
+        self._seen.pop(seq_id, None)
+
+    def expired(self) -> list[str]:
+        cutoff = time.monotonic() - self.ttl_s
+        return [s for s, t in self._seen.items() if t < cutoff]
+
+
+def replica_device() -> torch.device:
+    """The replica's GPU when Ray gave it one (Ray hides GPUs from actors with num_gpus=0), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def split_like(flat: list[Any], batches: list[list[Any]]) -> list[list[Any]]:
+    """Cut a flat result list back into the shapes of the batched calls it came from."""
+    out, start = [], 0
+    for b in batches:
+        out.append(flat[start : start + len(b)])
+        start += len(b)
+    return out
+
+
+def draft_base_source(source: str) -> str:
+    """The model whose embedding/norm/head (and tokenizer) a draft shares: from `cut:<model>:L` or s2d_draft.json."""
+    directory = draft_dir(source)
+    if directory is None:
+        return parse_cut(source)[0]
+    spec = json.loads((directory / "s2d_draft.json").read_text())
+    return spec["base_model"]
+
+
+def load_tokenizer(source: str, cache_dir: str | None, trust_remote_code: bool):
+    """A source's tokenizer without its weights (the router needs text <-> ids only)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(canonical_source(source), Path(cache_dir) if cache_dir else None)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def model_context(source: str, cache_dir: str | None) -> int | None:
+    """max_position_embeddings from the model's config.json, if it has one."""
+    path = resolve_model_dir(canonical_source(source), Path(cache_dir) if cache_dir else None)
+    cfg = json.loads((path / "config.json").read_text())
+    value = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+    return int(value) if value else None

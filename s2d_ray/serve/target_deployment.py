@@ -1,0 +1,100 @@
+"""One deployment per target: batched verification of every concurrent round (`@serve.batch`), per-sequence KV with
+the core's prefix check; the model lives in the replica (tp_size 1) or in a DeepSpeed AutoTP group of Ray actors."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from ray import serve
+
+from ..build import load_target, set_threads
+from ..core.target import TargetVerifier
+from ..core.types import ScoreRequest
+from .app_config import AppConfig
+from .state import IdleSequences, ModelThread, replica_device, split_like
+from .tp import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+class LocalTarget:
+    """The whole model in this replica; forwards run on the replica's one model thread."""
+
+    def __init__(self, verifier: TargetVerifier, num_threads: int | None) -> None:
+        self.verifier = verifier
+        self.thread = ModelThread(num_threads)
+
+    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
+        logits = await self.thread.run(self.verifier.score, requests)
+        return [x.clone() for x in logits]  # each tensor pickles alone, not the whole batch's storage
+
+    async def release(self, seq_ids: list[str]) -> None:
+        def drop() -> None:
+            for s in seq_ids:
+                self.verifier.release(s)
+
+        await self.thread.run(drop)
+
+    async def num_active(self) -> int:
+        return self.verifier.num_active
+
+    async def check(self) -> None:
+        await self.thread.run(lambda: None)
+
+    def describe(self) -> dict:
+        return {"tp_size": 1}
+
+    def close(self) -> None:
+        self.thread.close()
+
+
+@serve.deployment
+class TargetDeployment:
+    def __init__(self, cfg: AppConfig, name: str) -> None:
+        spec, ecfg = cfg.target(name), cfg.engine_config(name)
+        set_threads(cfg.num_threads)
+        self.name = name
+        if spec.tp_size > 1:
+            self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s)
+        else:
+            model = load_target(ecfg).model.to(replica_device())
+            self.backend = LocalTarget(TargetVerifier(model), cfg.num_threads)
+        self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
+        self.score.set_max_batch_size(spec.max_batch_size)
+        self.score.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
+        self.num_calls = 0
+        self.num_forwards = 0
+        logger.info("target %s ready (tp_size=%d)", name, spec.tp_size)
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
+    async def score(self, batches: list[list[ScoreRequest]]) -> list[list[torch.Tensor]]:
+        """One call per router round; concurrent rounds (several routers) share one forward."""
+        flat = [r for b in batches for r in b]
+        self.idle.touch([r.seq_id for r in flat])
+        self.num_calls += len(batches)
+        self.num_forwards += 1
+        return split_like(await self.backend.score(flat), batches)
+
+    async def release(self, seq_id: str) -> None:
+        self.idle.forget(seq_id)
+        await self.backend.release([seq_id])
+
+    async def stats(self) -> dict:
+        return {"num_active": await self.backend.num_active(), "num_calls": self.num_calls,
+                "num_forwards": self.num_forwards, **self.backend.describe()}
+
+    async def check_health(self) -> None:
+        """Raises when the model thread or any TP rank stops answering; drops state of long-idle sequences."""
+        await self.backend.check()
+        expired = self.idle.expired()
+        if expired:
+            logger.warning("target %s: dropping state of %d idle sequences", self.name, len(expired))
+            for s in expired:
+                self.idle.forget(s)
+            await self.backend.release(expired)
+
+    def __del__(self) -> None:
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.close()

@@ -1,0 +1,180 @@
+"""Tensor-parallel targets: N Ray actors in the replica's placement group form one DeepSpeed AutoTP world.
+
+Every score call goes to ALL ranks with identical inputs (collectives need lockstep); rank 0's logits are the answer.
+Every wait is bounded: a dead or stuck rank makes the group `broken` (calls fail fast, check_health fails, Serve
+replaces the replica, and the new group forms on a fresh port) instead of hanging a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import socket
+
+import ray
+import torch
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..build import DTYPES, load_target, set_threads
+from ..config import EngineConfig
+from ..core.target import TargetVerifier
+from ..core.types import ScoreRequest
+from ..errors import S2DError
+from .app_config import TargetSpec
+from .state import ModelThread
+
+logger = logging.getLogger(__name__)
+
+
+class TPGroupError(S2DError):
+    """The tensor-parallel group failed (a rank died, timed out or never formed): maps to HTTP 503."""
+
+
+def free_port() -> int:
+    """A free TCP port on loopback: each TP group gets its own (DeepSpeed's SHM op name derives from it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torch.distributed env of one rank. LOCAL_SIZE is mandatory: without it DeepSpeed's CPU SHM all-reduce makes
+    every rank segfault silently on the first forward. On GPUs Ray shows each actor only its own device (index 0)."""
+    one_visible_gpu = torch.cuda.is_available() and torch.cuda.device_count() == 1
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": "0" if one_visible_gpu else str(rank), "LOCAL_SIZE": str(world_size)}
+
+
+def record_shard_heads(model: torch.nn.Module) -> None:
+    """Give the rank's model a config with ITS head counts: AutoTP split q/k/v by heads, and the verifier sizes its KV
+    cache from the config. Only the top-level reference is replaced; the layers keep the original config object.
+    (A core-side alternative: decoder_parts could read the counts off k_proj/q_proj weights.)"""
+    cfg = copy.copy(model.config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = model.model.layers[0].self_attn
+    cfg.head_dim = head_dim
+    cfg.num_attention_heads = attn.q_proj.weight.shape[0] // head_dim
+    cfg.num_key_value_heads = attn.k_proj.weight.shape[0] // head_dim
+    model.config = cfg
+
+
+class BatchSeqHead(torch.nn.Module):
+    """AutoTP's sharded LM head (LmHeadLinearAllreduce) slices its input as [batch, seq, hidden]; the verifier sends
+    [tokens, hidden]. Add and drop the batch axis around it."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.head = head
+        self.weight = head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden[None])[0] if hidden.dim() == 2 else self.head(hidden)
+
+
+@ray.remote
+class TPWorker:
+    """One rank: loads the target, lets DeepSpeed AutoTP shard its Linear layers, scores with a TargetVerifier."""
+
+    def __init__(self, rank: int, world_size: int, port: int, ecfg: EngineConfig) -> None:
+        self.rank, self.world_size, self.ecfg = rank, world_size, ecfg
+        os.environ.update(rank_env(rank, world_size, port))
+        set_threads(ecfg.num_threads)
+        self.thread = ModelThread(ecfg.num_threads)
+        self.verifier: TargetVerifier | None = None
+
+    async def setup(self) -> dict:
+        return await self.thread.run(self._setup_sync)
+
+    def _setup_sync(self) -> dict:
+        import deepspeed  # heavy; only TP workers need it
+        import torch.distributed as dist
+
+        loaded = load_target(self.ecfg)
+        engine = deepspeed.init_inference(
+            loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
+            replace_with_kernel_inject=False,
+        )
+        record_shard_heads(engine.module)
+        engine.module.lm_head = BatchSeqHead(engine.module.lm_head)
+        self.verifier = TargetVerifier(engine.module)
+        return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid()}
+
+    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor] | None:
+        logits = await self.thread.run(self.verifier.score, requests)
+        # Only rank 0 ships logits; clone so each tensor pickles alone, not the whole batch's storage.
+        return [x.clone() for x in logits] if self.rank == 0 else None
+
+    async def release(self, seq_ids: list[str]) -> None:
+        def drop() -> None:
+            for s in seq_ids:
+                self.verifier.release(s)
+
+        await self.thread.run(drop)
+
+    async def num_active(self) -> int:
+        return await self.thread.run(lambda: self.verifier.num_active)
+
+    async def ping(self) -> int:
+        return self.rank
+
+
+class TPGroup:
+    """The replica's side of a TP target: starts the ranks in its placement group and drives them in lockstep."""
+
+    def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float) -> None:
+        self.size, self.call_timeout_s = spec.tp_size, call_timeout_s
+        self.port = free_port()
+        self.broken: str | None = None
+        pg = get_current_placement_group()
+        self.workers = []
+        for rank in range(spec.tp_size):
+            opts: dict = {"num_cpus": spec.tp_worker_cpus, "num_gpus": spec.tp_worker_gpus}
+            if spec.tp_worker_resources:
+                opts["resources"] = dict(spec.tp_worker_resources)
+            if pg is not None:
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank + 1)
+            self.workers.append(TPWorker.options(**opts).remote(rank, spec.tp_size, self.port, ecfg))
+        try:
+            infos = ray.get([w.setup.remote() for w in self.workers], timeout=spec.tp_init_timeout_s)
+        except Exception as exc:
+            self.close()
+            raise TPGroupError(f"TP group for {spec.name} did not form within {spec.tp_init_timeout_s:.0f} s "
+                               f"({type(exc).__name__}: {exc})") from exc
+        self.ranks = infos
+        logger.info("TP group %s formed: %d ranks on port %d, backend %s", spec.name, self.size, self.port,
+                    infos[0]["backend"])
+
+    async def _all(self, method: str, *args, timeout: float | None = None) -> list:
+        if self.broken:
+            raise TPGroupError(f"TP group is broken ({self.broken}); the replica is being replaced")
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*refs), timeout or self.call_timeout_s)
+        except Exception as exc:
+            self.broken = f"{method}: {type(exc).__name__}: {exc}"
+            logger.error("TP group broken: %s", self.broken)
+            raise TPGroupError(f"TP group failed during {method} ({type(exc).__name__})") from exc
+
+    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
+        return (await self._all("score", requests))[0]
+
+    async def release(self, seq_ids: list[str]) -> None:
+        await self._all("release", seq_ids)
+
+    async def num_active(self) -> int:
+        counts = await self._all("num_active")
+        return max(counts)
+
+    async def check(self) -> None:
+        await self._all("ping", timeout=min(self.call_timeout_s, 10.0))
+
+    def describe(self) -> dict:
+        return {"tp_size": self.size, "port": self.port, "ranks": self.ranks, "broken": self.broken}
+
+    def close(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)

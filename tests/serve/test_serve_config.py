@@ -1,0 +1,119 @@
+"""Every deployment YAML passes Serve's own schema and our AppConfig, binds into an application with the intended
+deployments; cluster.yaml passes Ray's cluster-launcher validation. No Ray cluster needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from s2d_ray.serve import AppConfig, build_app
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOYMENT_YAMLS = sorted((REPO / "deployments").glob("*.yaml"))
+
+
+def test_there_are_local_and_gpu_configs():
+    assert {p.name for p in DEPLOYMENT_YAMLS} >= {"local.yaml", "gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", DEPLOYMENT_YAMLS, ids=[p.name for p in DEPLOYMENT_YAMLS])
+def test_deployment_yaml_is_valid_for_serve_and_for_us(path):
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load(path.read_text())
+    schema = ServeDeploySchema.model_validate(raw)
+    assert schema.applications
+    for app in schema.applications:
+        assert app.import_path == "s2d_ray.serve:build_app"
+        cfg = AppConfig.model_validate(app.args)
+        names = [d.name for d in _deployments(build_app(app.args))]
+        expected = {"router", *(f"target-{t.name}" for t in cfg.targets)} | ({"draft"} if cfg.uses_draft else set())
+        assert set(names) == expected
+
+
+def _deployments(application) -> list:
+    """The finalized deployments, built the way `serve run` builds them (handles injected, names checked)."""
+    from ray.serve._private.build_app import build_app as serve_build
+
+    return serve_build(application, name="check").deployments
+
+
+def test_gpu_yaml_describes_the_fleet():
+    app = yaml.safe_load((REPO / "deployments" / "gpu.yaml").read_text())["applications"][0]
+    cfg = AppConfig.model_validate(app["args"])
+    by_name = {t.name: t for t in cfg.targets}
+    assert set(by_name) == {"vicuna-7b-v1.5", "vicuna-13b-v1.5", "llama-2-70b-chat"}
+    big = by_name["llama-2-70b-chat"]
+    assert big.tp_size == 4 and big.tp_worker_gpus == 1
+    placement = big.placement()
+    assert placement["placement_group_strategy"] == "STRICT_PACK"
+    assert len(placement["placement_group_bundles"]) == 5  # the replica + 4 ranks
+    assert all(b.get("GPU") == 1 for b in placement["placement_group_bundles"][1:])
+    assert all(t.autoscaling_config for t in cfg.targets) and cfg.draft.autoscaling_config
+    assert {t.dtype for t in cfg.targets} == {"bfloat16"}
+
+
+def test_local_yaml_fits_a_two_cpu_ray():
+    app = yaml.safe_load((REPO / "deployments" / "local.yaml").read_text())["applications"][0]
+    cfg = AppConfig.model_validate(app["args"])
+    cpus = cfg.router.num_cpus + cfg.draft.num_cpus
+    for t in cfg.targets:
+        cpus += t.num_cpus + (t.tp_worker_cpus * t.tp_size if t.tp_size > 1 else 0)
+    assert cpus <= 2.0
+    assert any(t.tp_size == 3 for t in cfg.targets)
+
+
+def test_cluster_yaml_passes_ray_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    validate_config(prepare_config(raw))
+    types = raw["available_node_types"]
+    gpu_types = [t for t in types.values() if t.get("resources", {}).get("GPU")]
+    assert len(gpu_types) >= 2 and all("max_workers" in t for t in gpu_types)
+    assert any("s2d" in cmd and ".whl" in cmd for cmd in raw["setup_commands"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    ({"targets": [{"name": "a"}, {"name": "a"}]}, "unique"),
+    ({"targets": []}, "at least 1"),
+    ({"targets": [{"name": "a", "tp_size": 2, "dtype": "float64"}]}, "float64"),
+    ({"targets": [{"name": "a", "num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}]}, "either"),
+    ({"targets": [{"name": "a", "colour": "blue"}]}, "colour"),
+    ({"spec": {"mode": "fast"}}, "mode"),
+    ({"draft": {"exit_layers": [4, 2]}}, "increasing"),
+    ({"limits": {"max_queued_requests": -1}}, "max_queued_requests"),
+])
+def test_bad_app_config_names_the_problem(args, needle):
+    with pytest.raises(ValidationError, match=needle):
+        AppConfig.model_validate(args)
+
+
+def test_api_key_is_never_shown():
+    cfg = AppConfig.model_validate({"api_key": "s3cret-value"})
+    assert "s3cret-value" not in repr(cfg) and "s3cret-value" not in str(cfg.model_dump())
+    assert cfg.api_key.get_secret_value() == "s3cret-value"
+
+
+def test_target_calibration_gives_that_target_its_own_thresholds(tiny_family, tmp_path):
+    """One shared draft; a target with a calibration profile drafts with its thresholds, the others with the draft's."""
+    import json
+
+    from s2d_ray.serve.draft_deployment import load_shared_draft, per_target_drafters
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"exit_layers": [1, 2, 3], "thresholds": [0.9, 0.7, 0.0]}))
+    cfg = AppConfig.model_validate({
+        "targets": [{"name": "a", "source": str(tiny_family["a"]), "dtype": "float64"},
+                    {"name": "b", "source": str(tiny_family["b"]), "dtype": "float64", "calibration": str(profile)}],
+        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64"},
+    })
+    draft = load_shared_draft(cfg)
+    assert draft.spec.thresholds == [0.05, 0.05, 0.0]
+    drafters = per_target_drafters(cfg, draft)
+    assert set(drafters) == {"b"}
+    assert drafters["b"].thresholds == [0.9, 0.7, 0.0]
+    assert drafters["b"].draft.layers is draft.layers  # same weights, only the exit rule differs
