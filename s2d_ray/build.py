@@ -71,7 +71,7 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, base: LoadedModel | None
         base = base or _base_for(spec.get("base_model", cfg.target.resolved_source), cfg, target)
         draft = SortedDraft.load(directory, base.model)
     check_same_vocabulary(base.tokenizer, target.tokenizer, f"draft {src}", f"target {cfg.target.name}")
-    return _apply_exits(draft, cfg)
+    return apply_exits(draft, cfg)
 
 
 def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedModel:
@@ -82,7 +82,7 @@ def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedMode
                       trust_remote_code=cfg.trust_remote_code)
 
 
-def _apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
+def apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
     """Mode exit:L, config overrides, then the per-target calibration profile decide exits and thresholds."""
     fixed = cfg.spec.fixed_exit
     if fixed is not None:

@@ -39,15 +39,18 @@ def _llama_like_parts(model: nn.Module) -> DecoderParts:
     cfg = model.config
     base = model.model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # Head counts from the projection weights, not the config: under tensor parallelism (DeepSpeed AutoTP) each
+    # rank holds only its share of the heads, and its KV cache and masks must be sized for that share.
+    attn = base.layers[0].self_attn
     return DecoderParts(
         embed=base.embed_tokens,
         layers=base.layers,
         rotary=base.rotary_emb,
         norm=base.norm,
         head=model.lm_head,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=attn.k_proj.weight.shape[0] // head_dim,
         head_dim=head_dim,
-        num_heads=cfg.num_attention_heads,
+        num_heads=attn.q_proj.weight.shape[0] // head_dim,
     )
 
 
@@ -116,7 +119,8 @@ class LayerStack(nn.Module):
         """Shared final norm and LM head: hidden [..., h] -> logits [..., V] (full vocabulary, always)."""
         normed = self.parts.norm(hidden)
         if self.vocab_ids is None:
-            return self.parts.head(normed)
+            # [tokens, h] goes in as [1, tokens, h]: AutoTP's sharded LM head slices a [batch, seq, h] input.
+            return self.parts.head(normed[None])[0] if normed.dim() == 2 else self.parts.head(normed)
         sub = torch.nn.functional.linear(normed, self._head_rows.to(normed.dtype))
         full = sub.new_full((*sub.shape[:-1], self.parts.head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids.to(sub.device), sub)

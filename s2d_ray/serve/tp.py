@@ -8,7 +8,6 @@ replaces the replica, and the new group forms on a fresh port) instead of hangin
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import socket
@@ -48,32 +47,6 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
             "LOCAL_RANK": "0" if one_visible_gpu else str(rank), "LOCAL_SIZE": str(world_size)}
 
 
-def record_shard_heads(model: torch.nn.Module) -> None:
-    """Give the rank's model a config with ITS head counts: AutoTP split q/k/v by heads, and the verifier sizes its KV
-    cache from the config. Only the top-level reference is replaced; the layers keep the original config object.
-    (A core-side alternative: decoder_parts could read the counts off k_proj/q_proj weights.)"""
-    cfg = copy.copy(model.config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn = model.model.layers[0].self_attn
-    cfg.head_dim = head_dim
-    cfg.num_attention_heads = attn.q_proj.weight.shape[0] // head_dim
-    cfg.num_key_value_heads = attn.k_proj.weight.shape[0] // head_dim
-    model.config = cfg
-
-
-class BatchSeqHead(torch.nn.Module):
-    """AutoTP's sharded LM head (LmHeadLinearAllreduce) slices its input as [batch, seq, hidden]; the verifier sends
-    [tokens, hidden]. Add and drop the batch axis around it."""
-
-    def __init__(self, head: torch.nn.Module) -> None:
-        super().__init__()
-        self.head = head
-        self.weight = head.weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden[None])[0] if hidden.dim() == 2 else self.head(hidden)
-
-
 @ray.remote
 class TPWorker:
     """One rank: loads the target, lets DeepSpeed AutoTP shard its Linear layers, scores with a TargetVerifier."""
@@ -97,8 +70,6 @@ class TPWorker:
             loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
             replace_with_kernel_inject=False,
         )
-        record_shard_heads(engine.module)
-        engine.module.lm_head = BatchSeqHead(engine.module.lm_head)
         self.verifier = TargetVerifier(engine.module)
         return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid()}
 
