@@ -16,6 +16,8 @@ from .errors import S2DError
 # Each module defines `register(subparsers)`; its parser sets `func(args) -> int`.
 COMMAND_MODULES = [
     "s2d_ray.commands.generate",
+    "s2d_ray.train.cli",
+    "s2d_ray.bench.cli",
 ]
 
 

@@ -198,6 +198,15 @@ register_source(
     )
 )
 
+register_source(
+    NamedSource(
+        name="smollm2-135m-gsm8k",
+        description="SmolLM2-135M-Instruct + a LoRA adapter fitted to GSM8K train (s2d train-lora; the domain target)",
+        base="smollm2-135m-instruct",
+        adapter_dir=Path("assets/adapters/smollm2-135m-gsm8k"),
+    )
+)
+
 
 # --------------------------------------------------------------------------------------------------- resolving
 

@@ -13,6 +13,9 @@ from .app_config import Limits
 from .openai_protocol import GenerateRequest
 
 
+MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily
+
+
 class ModelNotFoundError(RequestError):
     """The request names a model this app does not serve (HTTP 404)."""
 
@@ -66,7 +69,10 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     if len(ids) + max_tokens > window:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {req.model}'s "
                            f"limit of {window} tokens; lower max_tokens")
-    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+    # Below MIN_TEMPERATURE, logits / temperature overflows to inf (NaN probabilities would fail the whole round of
+    # every sequence on the target); the limit t -> 0 is greedy, so decode greedily (as vLLM does).
+    temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
+    params = SamplingParams(temperature=temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
     return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop))
 
 

@@ -237,7 +237,7 @@ class Router:
             raw = await self._read_body(request)
             try:
                 json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's stack
                 raise ApiError(400, f"request body is not valid JSON ({exc})", "invalid_json") from None
             try:
                 oreq = kind.model_validate_json(raw, strict=True)

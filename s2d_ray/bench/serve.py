@@ -1,0 +1,216 @@
+"""A bounded streaming load against an OpenAI-compatible server: throughput, TTFT, inter-token latency, errors.
+
+For each concurrency level, `c` workers send streaming `/v1/completions` requests (mixed Spec-Bench prompts) until the
+level's request budget is used or its time limit passes; then the level stops by itself and the next one starts.
+Inter-token latency is the gap between successive streamed chunks (a speculative server may send several tokens in
+one chunk); TPOT is (latency - TTFT) / (tokens - 1) per request, as vLLM's benchmark defines it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a Python function that reverses a linked list.",
+    "Translate to German: The weather is nice today, so we will walk to the station.",
+    "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many clips in total?",
+]
+
+
+@dataclass
+class LoadRun:
+    url: str
+    model: str
+    concurrency: list[int]
+    requests: int = 16  # per level (raised to the concurrency so every worker sends at least one)
+    max_seconds: float = 120.0  # per level: no new request starts after this; stragglers are cancelled
+    max_tokens: int = 64
+    temperature: float = 0.0
+    timeout: float = 120.0  # per request
+    include_usage: bool = True
+    api_key: str | None = None  # sent as `Authorization: Bearer <key>`; never written to results
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency: float
+    ttft: float | None = None
+    tokens: int = 0
+    chunk_gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def mixed_prompts(questions: Path | None, max_chars: int = 4000) -> list[str]:
+    """First turns of Spec-Bench questions, tasks interleaved (short chat, long summaries, math...)."""
+    from .spec import default_questions_path, read_questions, select_questions
+
+    path = questions or default_questions_path()
+    if not path.exists():
+        return list(FALLBACK_PROMPTS)
+    return [q.turns[0][:max_chars] for q in select_questions(read_questions(path), 8)]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def one_request(client, run: LoadRun, prompt: str) -> RequestResult:
+    body = {"model": run.model, "prompt": prompt, "max_tokens": run.max_tokens, "temperature": run.temperature,
+            "stream": True}
+    if run.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    chunks, usage_tokens = 0, None
+    try:
+        async with client.stream("POST", run.url.rstrip("/") + "/v1/completions", json=body,
+                                 timeout=run.timeout) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:200]
+                return RequestResult(False, time.perf_counter() - t0, error=f"HTTP {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return RequestResult(False, time.perf_counter() - t0, error=str(chunk["error"])[:200])
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
+                if "".join(c.get("text") or "" for c in chunk.get("choices") or []):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    first = first if first is not None else now
+                    last, chunks = now, chunks + 1
+    except Exception as exc:  # network errors, timeouts, bad JSON: counted, never fatal to the run
+        return RequestResult(False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:200])
+    ttft = first - t0 if first is not None else None
+    return RequestResult(True, time.perf_counter() - t0, ttft, usage_tokens or chunks, gaps)
+
+
+async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str]) -> list[RequestResult]:
+    """`concurrency` workers share one request budget; nothing new starts after max_seconds."""
+    budget = max(run.requests, concurrency)
+    next_index = [0]
+    results: list[RequestResult] = []
+    deadline = time.perf_counter() + run.max_seconds
+
+    async def worker() -> None:
+        while next_index[0] < budget and time.perf_counter() < deadline:
+            i = next_index[0]
+            next_index[0] += 1
+            results.append(await one_request(client, run, prompts[i % len(prompts)]))
+
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(tasks, timeout=run.max_seconds + run.timeout)
+    for t in pending:
+        t.cancel()
+    return results
+
+
+def level_summary(concurrency: int, results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.chunk_gaps]
+    tpot = [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
+    ms = lambda v: None if v is None else 1e3 * v  # noqa: E731
+    return {
+        "concurrency": concurrency, "sent": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+        "wall_seconds": wall, "output_tokens": tokens, "throughput_tokens_per_s": tokens / wall if wall else 0.0,
+        "requests_per_s": len(ok) / wall if wall else 0.0,
+        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "itl_ms_p50": ms(percentile(gaps, 50)), "itl_ms_p99": ms(percentile(gaps, 99)),
+        "tpot_ms_p50": ms(percentile(tpot, 50)), "tpot_ms_p99": ms(percentile(tpot, 99)),
+        "latency_ms_p50": ms(percentile([r.latency for r in ok], 50)),
+        "error_samples": sorted({r.error for r in results if r.error})[:3],
+    }
+
+
+async def run_load(run: LoadRun, prompts: list[str]) -> dict:
+    """Every level in turn on one connection pool (loopback only; proxies from the environment are ignored)."""
+    import httpx
+
+    from .machine import machine_info
+
+    limits = httpx.Limits(max_connections=max(run.concurrency), max_keepalive_connections=max(run.concurrency))
+    headers = {"authorization": f"Bearer {run.api_key}"} if run.api_key else {}
+    summary, raw = [], {}
+    async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
+        for c in run.concurrency:
+            t0 = time.perf_counter()
+            results = await run_level(client, run, c, prompts)
+            summary.append(level_summary(c, results, time.perf_counter() - t0))
+            raw[str(c)] = [asdict(r) for r in results]
+            logger.info("concurrency %d: %s", c, summary[-1])
+    settings = {**asdict(run), "api_key": "***" if run.api_key else None}
+    return {"machine": machine_info(), "run": settings, "summary": summary, "requests": raw}
+
+
+def _f(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def serve_markdown(result: dict) -> str:
+    r = result["run"]
+    lines = [f"{r['url']} model {r['model']}, max_tokens {r['max_tokens']}, temperature {r['temperature']}, "
+             f"up to {r['requests']} requests / {r['max_seconds']:.0f} s per level.", "",
+             "| concurrency | completed | errors | tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50/p99 ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in result["summary"]:
+        lines.append(f"| {s['concurrency']} | {s['completed']} | {s['errors']} | {s['throughput_tokens_per_s']:.2f} | "
+                     f"{s['requests_per_s']:.2f} | {_f(s['ttft_ms_p50'])}/{_f(s['ttft_ms_p99'])} | "
+                     f"{_f(s['itl_ms_p50'])}/{_f(s['itl_ms_p99'])} | {_f(s['tpot_ms_p50'])}/{_f(s['tpot_ms_p99'])} |")
+    errors = [e for s in result["summary"] for e in s["error_samples"]]
+    if errors:
+        lines += ["", "Errors seen: " + "; ".join(sorted(set(errors))[:5])]
+    return "\n".join(lines) + "\n"
+
+
+def plot_load(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["summary"]
+    c = [x["concurrency"] for x in s]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(c, [x["throughput_tokens_per_s"] for x in s], marker="o")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("concurrent requests")
+    a.set_ylabel("output tokens/s")
+    a.set_title("throughput")
+    for key, style in (("ttft_ms", "-"), ("itl_ms", "--")):
+        for q in ("p50", "p99"):
+            b.plot(c, [x[f"{key}_{q}"] or float("nan") for x in s], style, marker="o", label=f"{key[:-3]} {q}")
+    b.set_xscale("log", base=2)
+    b.set_yscale("log")
+    b.set_xlabel("concurrent requests")
+    b.set_ylabel("ms")
+    b.set_title("latency")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,181 @@
+"""Spec-Bench runner: every method on the same prompts, interleaved per prompt, greedy outputs checked for equality.
+
+A question is one Spec-Bench row; MT-Bench rows have two turns, and the second turn is asked after the first turn's
+answer from plain decoding (the target's own answer), so every method sees the same conversation. Methods run in an
+order rotated per question, so machine drift and cache effects hit all of them alike; each is warmed up once first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..core.types import SamplingParams
+from ..errors import ConfigError
+from ..models import LoadedModel
+from ..prompts import encode_messages
+from .methods import Method, MethodStats
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                 "humanities"})
+BASELINE = "hf-generate"
+QUESTIONS_RELATIVE = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str  # the row's own category (MT-Bench has eight)
+    task: str  # one of Spec-Bench's six tasks
+    turns: tuple[str, ...]
+
+
+def default_questions_path() -> Path:
+    """../shared/data/spec_bench/question.jsonl next to the checkout (or the working directory)."""
+    repo = Path(__file__).resolve().parents[2]
+    for base in (Path.cwd(), repo):
+        if (base / QUESTIONS_RELATIVE).exists():
+            return (base / QUESTIONS_RELATIVE).resolve()
+    return repo / QUESTIONS_RELATIVE
+
+
+def task_of(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def read_questions(path: Path) -> list[Question]:
+    if not path.exists():
+        raise ConfigError(f"questions file {path} does not exist (pass --questions PATH)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turns = tuple(str(t) for t in row["turns"])
+            rows.append(Question(row["question_id"], str(row["category"]), task_of(str(row["category"])), turns))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}:{n}: not a Spec-Bench row with question_id, category, turns ({exc})") from None
+        if not turns:
+            raise ConfigError(f"{path}:{n}: `turns` is empty")
+    return rows
+
+
+def select_questions(rows: list[Question], per_category: int | None, tasks: list[str] | None = None) -> list[Question]:
+    """Evenly spaced picks per task (so MT-Bench's eight sub-categories all appear), tasks interleaved in order."""
+    by_task: dict[str, list[Question]] = {}
+    for q in rows:
+        by_task.setdefault(q.task, []).append(q)
+    wanted = tasks or [t for t in TASKS if t in by_task] + sorted(set(by_task) - set(TASKS))
+    unknown = [t for t in wanted if t not in by_task]
+    if unknown:
+        raise ConfigError(f"no questions for categories {unknown}; the file has {sorted(by_task)}")
+    picked = {}
+    for t in wanted:
+        qs = by_task[t]
+        n = len(qs) if per_category is None else min(per_category, len(qs))
+        picked[t] = [qs[(i * len(qs)) // n] for i in range(n)]
+    out = []
+    for i in range(max(len(v) for v in picked.values())):
+        out.extend(picked[t][i] for t in wanted if i < len(picked[t]))
+    return out
+
+
+@dataclass
+class SpecRun:
+    """Settings of one run (per target)."""
+
+    max_new_tokens: int = 128
+    params: SamplingParams = SamplingParams()
+    warmup_tokens: int = 16
+    tie_tolerance: float = 0.01  # |logit(reference token) - logit(method token)| below this: an fp32 near-tie
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def first_mismatch(model: torch.nn.Module, prompt: list[int], ref: list[int], out: list[int],
+                   tie_tolerance: float) -> dict | None:
+    """Where `out` leaves plain decoding's `ref`, and the target's top-2 logit gap there (None if equal)."""
+    if out == ref:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].double()
+    top = torch.topk(logits, 2)
+    gap = float(top.values[0] - top.values[1])
+    ref_tok = ref[i] if i < len(ref) else None
+    out_tok = out[i] if i < len(out) else None
+    pair = float(logits[ref_tok] - logits[out_tok]) if ref_tok is not None and out_tok is not None else None
+    # A legitimate fp32 divergence picks a token whose logit is within rounding of the best one; anything else
+    # (a low-ranked token, a missing or extra token) is a bug.
+    near_tie = pair is not None and abs(pair) < tie_tolerance
+    return {"index": i, "reference_token": ref_tok, "method_token": out_tok, "top2_gap": gap, "pair_gap": pair,
+            "near_tie": near_tie, "reference_length": len(ref), "method_length": len(out)}
+
+
+def run_target(target_name: str, target: LoadedModel, methods: list[Method], questions: list[Question],
+               run: SpecRun) -> list[dict]:
+    """All questions x turns x methods on one target; returns one raw record per (question, turn, method)."""
+    names = [m.name for m in methods]
+    if BASELINE not in names:
+        raise ConfigError(f"the method list must include {BASELINE} (speedups are measured against it)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"method names repeat: {names}")
+    tok = target.tokenizer
+    warm_prompt = encode_messages(tok, [{"role": "user", "content": questions[0].turns[0]}])
+    for m in methods:  # warm-up: allocations, caches, lazy inits; never timed
+        m.generate(warm_prompt, min(run.warmup_tokens, run.max_new_tokens), run.params)
+    total = sum(len(q.turns) for q in questions) * len(methods)
+    records: list[dict] = []
+    with tqdm(total=total, desc=target_name, unit="gen", disable=not run.progress, dynamic_ncols=True) as bar:
+        for qi, q in enumerate(questions):
+            conversation: list[dict] = []
+            for turn, text in enumerate(q.turns):
+                conversation.append({"role": "user", "content": text})
+                prompt = encode_messages(tok, conversation)
+                order = methods[qi % len(methods):] + methods[: qi % len(methods)]
+                outs = {}
+                for m in order:
+                    bar.set_postfix_str(f"q{q.question_id} t{turn + 1} {m.name}")
+                    outs[m.name] = _timed(m, prompt, run)
+                    bar.update()
+                records.extend(_records(target_name, target, q, turn, prompt, methods, outs, run))
+                answer = tok.decode(outs[BASELINE][0], skip_special_tokens=True)
+                conversation.append({"role": "assistant", "content": answer})
+    return records
+
+
+def _timed(m: Method, prompt: list[int], run: SpecRun) -> tuple[list[int], MethodStats, float]:
+    t0 = time.perf_counter()
+    tokens, stats = m.generate(prompt, run.max_new_tokens, run.params)
+    return tokens, stats, time.perf_counter() - t0
+
+
+def _records(target_name: str, target: LoadedModel, q: Question, turn: int, prompt: list[int],
+             methods: list[Method], outs: dict, run: SpecRun) -> list[dict]:
+    ref = outs[BASELINE][0]
+    rows = []
+    for m in methods:
+        tokens, stats, seconds = outs[m.name]
+        check = run.params.greedy and m.lossless and m.name != BASELINE
+        mismatch = first_mismatch(target.model, prompt, ref, tokens, run.tie_tolerance) if check else None
+        if mismatch is not None:
+            logger.warning("%s: %s differs from %s on q%s turn %d at token %d (top-2 gap %.4f)", target_name,
+                           m.name, BASELINE, q.question_id, turn + 1, mismatch["index"], mismatch["top2_gap"])
+        rows.append({
+            "target": target_name, "method": m.name, "question_id": q.question_id, "category": q.category,
+            "task": q.task, "turn": turn + 1, "prompt_tokens": len(prompt), "new_tokens": len(tokens),
+            "seconds": seconds, "tokens_per_second": len(tokens) / seconds if seconds > 0 else 0.0,
+            **asdict(stats), "checked": check, "matches_baseline": (mismatch is None) if check else None,
+            "mismatch": mismatch, "token_ids": tokens,
+        })
+    return rows

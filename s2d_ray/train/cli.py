@@ -1,0 +1,183 @@
+"""`s2d train-draft`, `s2d self-distill` and `s2d calibrate`: thin shells over s2d_ray.train."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+
+from ..build import set_threads
+from ..config import DEFAULT_TARGET
+
+logger = logging.getLogger(__name__)
+DEFAULT_DATA = "/work/shared/data/train/instructions.jsonl"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def register(sub) -> None:
+    _register_train(sub)
+    _register_selfdistill(sub)
+    _register_lora(sub)
+    from .calibrate_cli import register_calibrate
+
+    register_calibrate(sub)
+
+
+def _register_train(sub) -> None:
+    p = sub.add_parser("train-draft", help="train a sorted draft with SoFT (CE at every exit, optional KD)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the model whose first layers the draft copies")
+    p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl)")
+    p.add_argument("--save", default=None, help="write the trained draft directory here at the end")
+    p.add_argument("--data", nargs="+", default=[DEFAULT_DATA], 
+                   help="JSONL instruction rows / ShareGPT / self-distilled")
+    p.add_argument("--sources", nargs="+", default=None, help="only rows whose `source` starts with one of these")
+    p.add_argument("--layers", type=int, default=6, help="number of draft layers L")
+    p.add_argument("--exits", type=_ints, default=None, help="exit layers, e.g. 2,4,6 (default: thirds of L)")
+    p.add_argument("--exit-weights", type=_floats, default=None, help="loss weight per exit (default: equal)")
+    p.add_argument("--kd-target", nargs="*", default=[], help="targets whose logits the draft also distils")
+    p.add_argument("--kd-weight", type=float, default=0.0, help="weight of the KD term (0..1)")
+    p.add_argument("--kd-temperature", type=float, default=1.0)
+    p.add_argument("--train-norm-head", action="store_true", help="also train an own copy of norm and LM head")
+    p.add_argument("--vocab-size", type=int, default=0, help="reduced draft vocabulary (0 = full)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of steps")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--val-examples", type=int, default=48)
+    p.add_argument("--onpath-data", default=None, help="self-distilled held-out rows for on-path agreement")
+    p.add_argument("--limit-examples", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) at this step; schedule of --steps")
+    p.add_argument("--init", default=None, help="start from this draft directory (e.g. an earlier stage)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--export-only", action="store_true", help="write --save from the checkpoint in --out; no training")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .soft import Run, SoftConfig, export_checkpoint
+
+    set_threads(args.threads)
+    if args.export_only:
+        if not args.save:
+            raise ValueError("--export-only needs --save")
+        manifest = export_checkpoint(Path(args.out), Path(args.save), "s2d " + shlex.join(sys.argv[1:]))
+        print(json.dumps({k: manifest[k] for k in ("steps", "train_tokens", "wall_s")}))
+        return 0
+    cfg = SoftConfig(target=args.target, out=args.out, data=args.data, sources=args.sources, num_layers=args.layers,
+                     exit_layers=args.exits, exit_weights=args.exit_weights, kd_targets=args.kd_target,
+                     kd_weight=args.kd_weight, kd_temperature=args.kd_temperature,
+                     train_norm_head=args.train_norm_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
+                     batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                     weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,
+                     val_examples=args.val_examples, onpath_data=args.onpath_data, seed=args.seed,
+                     threads=args.threads, limit_examples=args.limit_examples, init=args.init)
+    if cfg.kd_weight > 0 and not cfg.kd_targets:
+        raise ValueError("--kd-weight > 0 needs at least one --kd-target")
+    if cfg.exit_weights and len(cfg.exit_weights) != len(cfg.exits()):
+        raise ValueError(f"--exit-weights needs one weight per exit ({len(cfg.exits())})")
+    run = Run(cfg)
+    if args.resume and not run.resume():
+        logger.warning("no checkpoint in %s: starting fresh", args.out)
+    elif not args.resume and (Path(args.out) / "checkpoint.pt").exists():
+        raise ValueError(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
+    run.train(progress=not args.no_progress, until=args.stop_at)
+    final = run.history[-1] if run.history else {}
+    if args.save:
+        run.save_draft(Path(args.save), "s2d " + shlex.join(sys.argv[1:]))
+    print(json.dumps({"steps": run.step, "train_tokens": run.tokens, "wall_s": round(run.wall, 1), **final}))
+    return 0
+
+
+def _register_selfdistill(sub) -> None:
+    p = sub.add_parser("self-distill", help="generate the target's own greedy responses to training instructions")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--data", default=DEFAULT_DATA)
+    p.add_argument("--out", required=True, help="JSONL to append to (resumable)")
+    p.add_argument("--split", choices=["train", "heldout"], default="train")
+    p.add_argument("--num", type=int, default=1000, help="number of instructions")
+    p.add_argument("--gsm8k-fraction", type=float, default=0.25, help="share of gsm8k_train rows")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=run_selfdistill)
+
+
+def run_selfdistill(args: argparse.Namespace) -> int:
+    from .selfdistill import generate_responses, pick_rows
+
+    if args.num < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num, --batch-size and --max-new-tokens must be >= 1")
+    set_threads(args.threads)
+    rows = pick_rows(Path(args.data), args.num, args.seed, args.split,
+                     {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None)
+    made = generate_responses(args.target, rows, Path(args.out), args.max_new_tokens, args.batch_size,
+                              threads=args.threads)
+    print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
+    return 0
+
+
+def _register_lora(sub) -> None:
+    p = sub.add_parser("train-lora", help="fit a LoRA adapter on the gsm8k_train rows (the second target)")
+    p.add_argument("--base", default=DEFAULT_TARGET)
+    p.add_argument("--data", default=DEFAULT_DATA)
+    p.add_argument("--out", required=True, help="adapter directory (what PeftModel.save_pretrained writes)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=run_lora)
+    e = sub.add_parser("eval-gsm8k", help="greedy GSM8K accuracy of a target (decoded by the engine, ar mode)")
+    e.add_argument("--target", default=DEFAULT_TARGET)
+    e.add_argument("--test", default="/work/shared/data/gsm8k_test_dev/test_dev.jsonl")
+    e.add_argument("--num", type=int, default=50, help="first N problems")
+    e.add_argument("--max-new-tokens", type=int, default=256)
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--out", default=None, help="write per-problem predictions here (JSON)")
+    e.set_defaults(func=run_eval_gsm8k)
+
+
+def run_lora(args: argparse.Namespace) -> int:
+    from .lora import train_lora
+
+    if args.steps < 1 or args.batch_size < 1:
+        raise ValueError("--steps and --batch-size must be >= 1")
+    set_threads(args.threads)
+    info = train_lora(args.base, Path(args.data), Path(args.out), args.steps, args.batch_size, args.lr, args.rank,
+                      seed=args.seed)
+    print(json.dumps(info))
+    return 0
+
+
+def run_eval_gsm8k(args: argparse.Namespace) -> int:
+    from .lora import gsm8k_accuracy
+
+    if args.num < 1:
+        raise ValueError("--num must be >= 1")
+    set_threads(args.threads)
+    res = gsm8k_accuracy(args.target, Path(args.test), args.num, args.max_new_tokens, args.batch_size, args.threads)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
+    return 0

@@ -1,0 +1,173 @@
+"""Training data for SoFT: instruction rows, ShareGPT conversations or self-distilled token rows -> packed batches.
+
+Every example is rendered with the target's chat template; only assistant tokens carry loss. Examples are packed
+into fixed-length sequences with per-document positions and a block-diagonal causal mask, so each token sees
+exactly what it would see at inference (its own conversation from position 0). The held-out split is a stable
+hash of the instruction, so it never changes with the seed or the file order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+HELDOUT_PERCENT = 2
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def is_heldout(key: str, percent: int = HELDOUT_PERCENT) -> bool:
+    """A stable ~percent% of instructions, chosen by hash (independent of seed and file order)."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 < percent
+
+
+def row_key(row: dict) -> str:
+    return row.get("instruction") or json.dumps(row.get("conversations", row.get("prompt_ids", "")))
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    """JSONL rows, or a JSON list (ShareGPT dumps); each gets an `id` if it has none."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"training data {path} does not exist")
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = [json.loads(x) for x in text.splitlines() if x.strip()]
+    for n, row in enumerate(rows):
+        row.setdefault("id", f"{path.stem}/{n}")
+        yield row
+
+
+def data_hash(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for p in paths:
+        digest.update(Path(p).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def messages_of(row: dict) -> list[dict]:
+    """Chat messages of an instruction row or a ShareGPT conversation."""
+    if "conversations" in row:
+        return [{"role": ROLE_MAP[m.get("from", m.get("role"))], "content": m.get("value", m.get("content", ""))}
+                for m in row["conversations"]]
+    if "instruction" in row:
+        user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        msgs = [{"role": "user", "content": user}]
+        return msgs + ([{"role": "assistant", "content": row["response"]}] if row.get("response") is not None else [])
+    raise ConfigError(f"row {row.get('id')} has neither `instruction` nor `conversations` nor token ids")
+
+
+def _template(tok, messages: list[dict], gen_prompt: bool) -> list[int]:
+    out = tok.apply_chat_template(messages, add_generation_prompt=gen_prompt, tokenize=True, return_dict=False)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return [int(i) for i in ids]
+
+
+def render_prompt(tok, row: dict) -> list[int]:
+    """Prompt ids up to the first assistant turn, with the generation prompt (what the target is asked)."""
+    msgs = messages_of(row)
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+    return _template(tok, msgs[:first], True)
+
+
+def render_example(tok, row: dict) -> tuple[list[int], list[bool]]:
+    """(ids, loss mask): self-distilled rows use their stored ids; chat rows are templated turn by turn."""
+    if "response_ids" in row:
+        p, r = row["prompt_ids"], row["response_ids"]
+        return p + r, [False] * len(p) + [True] * len(r)
+    msgs = messages_of(row)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        before = _template(tok, msgs[:i], True)
+        full = _template(tok, msgs[: i + 1], False)
+        if full[: len(before)] != before or ids != before[: len(ids)]:
+            raise ConfigError(f"row {row.get('id')}: chat template is not prefix-stable; cannot mask assistant turns")
+        mask += [False] * (len(before) - len(ids)) + [True] * (len(full) - len(before))
+        ids = full
+    return ids, mask
+
+
+@dataclass
+class Packed:
+    """One batch: ids [B, S], labels [B, S] (-100 = no loss), positions [B, S], doc [B, S] (document index)."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    doc: torch.Tensor
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [B, 1, S, S] mask: causal within each packed document, nothing across documents."""
+        s = self.ids.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        allowed = causal[None] & (self.doc[:, :, None] == self.doc[:, None, :])
+        out = torch.zeros(allowed.shape, dtype=dtype)
+        return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int) -> list[Packed]:
+    """Greedy packing into rows of seq_len; a long example is cut into windows. Labels are next tokens."""
+    rows: list[list[tuple[int, bool, int, int]]] = [[]]
+    for d, (ids, mask) in enumerate(examples):
+        for start in range(0, max(len(ids) - 1, 1), seq_len):
+            piece = list(zip(ids[start : start + seq_len + 1], mask[start : start + seq_len + 1]))
+            if not any(m for _, m in piece[1:]):
+                continue
+            if len(rows[-1]) + len(piece) - 1 > seq_len:
+                rows.append([])
+            # (token, label-mask of the NEXT token, position, doc); the last item only provides a label
+            rows[-1] += [(t, piece[j + 1][1], start + j, d) + (piece[j + 1][0],) for j, (t, _) in enumerate(piece[:-1])]
+    out = []
+    for r in rows:
+        if not r:
+            continue
+        pad = seq_len - len(r)
+        ids = [x[0] for x in r] + [0] * pad
+        labels = [x[4] if x[1] else -100 for x in r] + [-100] * pad
+        pos = [x[2] for x in r] + list(range(pad))
+        doc = [x[3] for x in r] + [-1] * pad
+        out.append(Packed(*(torch.tensor([v]) for v in (ids, labels, pos, doc))))
+    return out
+
+
+def batches(rows: list[Packed], batch_size: int, seed: int, epoch: int) -> list[Packed]:
+    """Shuffle packed rows (seeded per epoch) and stack them into batches."""
+    order = list(range(len(rows)))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    out = []
+    for s in range(0, len(order) - batch_size + 1, batch_size):
+        pick = [rows[i] for i in order[s : s + batch_size]]
+        out.append(Packed(*(torch.cat([getattr(p, f) for p in pick]) for f in ("ids", "labels", "positions", "doc"))))
+    return out
+
+
+def load_examples(paths: list[Path], tok, split: str, limit: int | None = None,
+                  sources: list[str] | None = None, seed: int | None = None) -> list[tuple[list[int], list[bool]]]:
+    """Render the rows of `split` ("train" | "heldout"), optionally only rows whose source starts with a prefix;
+    with `seed`, a seeded random `limit` of them (files are grouped by source, so the first N would be biased)."""
+    rows = [row for path in paths for row in read_rows(path)
+            if (not sources or any(str(row.get("source", "")).startswith(s) for s in sources))
+            and is_heldout(row_key_for_split(row)) == (split == "heldout")]
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
+    return [render_example(tok, row) for row in rows[:limit]]
+
+
+def row_key_for_split(row: dict) -> str:
+    """Self-distilled rows carry the id of their instruction row; split them by that row's instruction text."""
+    return row.get("split_key") or row_key(row)

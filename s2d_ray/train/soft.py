@@ -1,0 +1,275 @@
+"""SoFT (sorted fine-tuning): one forward through the draft's L layers, CE at every exit, averaged.
+
+Options beyond the paper: per-exit weights; a KD term from one or several targets' logits (temperature, weight);
+training the norm and head too; a reduced-vocabulary head. Validation reports each exit's top-1 agreement with the
+target's greedy next token on held-out text AND along the target's own greedy continuations (on-path), which is what
+speculation sees. Checkpoints are atomic; `resume` continues the same run (same data order, optimiser, schedule).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..core.draft import SortedDraft, default_exits, paper_thresholds
+from ..models import load_model
+from .data import Packed, batches, data_hash, load_examples, pack
+from .forward import SubVocab, exit_logits, soft_loss, target_logits
+from .validate import Validator
+
+logger = logging.getLogger(__name__)
+CKPT = "checkpoint.pt"
+
+
+@dataclass
+class SoftConfig:
+    """Everything a run depends on (stored in the checkpoint and the manifest)."""
+
+    target: str = "smollm2-135m-instruct"
+    out: str = "runs/draft"
+    data: list[str] = field(default_factory=lambda: ["/work/shared/data/train/instructions.jsonl"])
+    sources: list[str] | None = None
+    num_layers: int = 6
+    exit_layers: list[int] | None = None
+    exit_weights: list[float] | None = None
+    kd_targets: list[str] = field(default_factory=list)
+    kd_weight: float = 0.0
+    kd_temperature: float = 1.0
+    train_norm_head: bool = False
+    vocab_size: int = 0  # 0: full vocabulary; else the most frequent label tokens of the training data
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 1000
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    val_every: int = 100
+    ckpt_every: int = 50
+    val_examples: int = 48
+    onpath_data: str | None = None  # self-distilled held-out rows (target's own greedy responses)
+    seed: int = 0
+    threads: int | None = None
+    dtype: str = "float32"
+    limit_examples: int | None = None
+    init: str | None = None  # a draft directory to start from (its layers, and its vocabulary if reduced)
+
+    def exits(self) -> list[int]:
+        return self.exit_layers or default_exits(self.num_layers)
+
+
+class Run:
+    """A SoFT run: models, data, optimiser, state; `train()` runs to cfg.steps, checkpointing on the way."""
+
+    def __init__(self, cfg: SoftConfig) -> None:
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        dtype = getattr(torch, cfg.dtype)
+        self.target = load_model(cfg.target, dtype=dtype)
+        self.kd_models = [self.target.model if s == cfg.target else load_model(s, dtype=dtype).model
+                          for s in cfg.kd_targets]
+        self.examples = load_examples([Path(p) for p in cfg.data], self.target.tokenizer, "train",
+                                      cfg.limit_examples, cfg.sources, seed=cfg.seed)
+        if not self.examples:
+            raise ValueError(f"no training examples in {cfg.data} (sources={cfg.sources})")
+        self.rows = pack(self.examples, cfg.seq_len)
+        init = SortedDraft.load(Path(cfg.init), self.target.model) if cfg.init else None
+        picked = init.vocab_ids if init is not None and init.vocab_ids is not None else self._pick_vocab()
+        self.vocab = SubVocab(picked, self.target.model.config.vocab_size)
+        self.draft, self.params = self._make_draft()
+        if init is not None:
+            self._load_init(init)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
+        self.step, self.tokens, self.wall = 0, 0, 0.0
+        self.history: list[dict] = []
+        self.validator = Validator(self, cfg)
+
+    def _pick_vocab(self) -> torch.Tensor | None:
+        if not self.cfg.vocab_size:
+            return None
+        counts = Counter(t for r in self.rows for t in r.labels[r.labels != -100].tolist())
+        tok = self.target.tokenizer
+        keep = {t for t, _ in counts.most_common(self.cfg.vocab_size)}
+        keep |= {i for i in (tok.eos_token_id, tok.bos_token_id) if i is not None}
+        return torch.tensor(sorted(keep))
+
+    def _make_draft(self) -> tuple[SortedDraft, list[nn.Parameter]]:
+        cfg = self.cfg
+        exits = cfg.exits()
+        draft = SortedDraft.cut(self.target.model, cfg.target, cfg.num_layers, exits, paper_thresholds(len(exits)),
+                                copy_layers=True)
+        draft.requires_grad_(False)
+        draft.layers.requires_grad_(True)
+        params = list(draft.layers.parameters())
+        self.head_rows = None
+        if cfg.train_norm_head:
+            draft.parts = copy.copy(draft.parts)
+            draft.parts.norm = copy.deepcopy(draft.parts.norm).requires_grad_(True)
+            draft.parts.head = copy.deepcopy(draft.parts.head).requires_grad_(False)
+            self.head_rows = nn.Parameter(self.vocab.head_weight(draft.parts.head).detach().clone())
+            draft.spec.trained_norm_head = True
+            params += list(draft.parts.norm.parameters()) + [self.head_rows]
+        return draft, params
+
+    def _load_init(self, init: SortedDraft) -> None:
+        """Start from a saved draft (e.g. a first training stage); exits and layer count must match."""
+        if init.spec.num_layers != self.cfg.num_layers:
+            raise ValueError(f"--init draft has {init.spec.num_layers} layers, this run {self.cfg.num_layers}")
+        state = {k: v.float() for k, v in init.layers.state_dict().items()}
+        self.draft.layers.load_state_dict(state)
+        if self.head_rows is not None and init.spec.trained_norm_head:
+            self.draft.parts.norm.load_state_dict(init.parts.norm.state_dict())
+            self.head_rows.data.copy_(self.vocab.head_weight(init.parts.head).float())
+
+    def _lr_factor(self, step: int) -> float:
+        warm = max(1, int(self.cfg.warmup * self.cfg.steps))
+        if step < warm:
+            return (step + 1) / warm
+        frac = min(1.0, (step - warm) / max(1, self.cfg.steps - warm))
+        return self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    def batch_at(self, step: int) -> Packed:
+        """The batch of a global step: epochs are reshuffled by seed, so a resumed run sees the same order."""
+        per_epoch = max(1, len(self.rows) // self.cfg.batch_size)
+        epoch, i = divmod(step, per_epoch)
+        if getattr(self, "_epoch", None) != epoch:
+            self._epoch, self._batches = epoch, batches(self.rows, self.cfg.batch_size, self.cfg.seed, epoch)
+            if not self._batches:  # fewer rows than one batch: use them all
+                self._batches = batches(self.rows, len(self.rows), self.cfg.seed, epoch)
+        return self._batches[i % len(self._batches)]
+
+    def loss_on(self, batch: Packed) -> tuple[torch.Tensor, list[float]]:
+        exits = self.cfg.exits()
+        out = exit_logits(self.draft.parts, self.draft.layers, batch, exits, self.vocab, self.head_rows)
+        kd = [target_logits(m, batch, self.vocab) for m in self.kd_models] if self.cfg.kd_weight > 0 else None
+        weights = self.cfg.exit_weights or [1.0] * len(exits)
+        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature)
+
+    def train(self, progress: bool = True, until: int | None = None) -> list[dict]:
+        """Train to cfg.steps (or stop early at `until`, checkpointed, as an interruption would)."""
+        cfg = self.cfg
+        stop = min(until or cfg.steps, cfg.steps)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="SoFT", disable=not progress, dynamic_ncols=True)
+        if self.step == 0 and not self.history:
+            self.record(self.validator.run())  # the untrained cut: the curve's first point
+        while self.step < stop:
+            t0 = time.perf_counter()
+            batch = self.batch_at(self.step)
+            loss, per_exit = self.loss_on(batch)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            self.opt.step()
+            self.sched.step()
+            self.step += 1
+            self.tokens += int((batch.labels != -100).sum())
+            dt = time.perf_counter() - t0
+            self.wall += dt
+            bar.update(1)
+            bar.set_postfix_str(" ".join(f"L{e}={v:.2f}" for e, v in zip(cfg.exits(), per_exit))
+                                + f" tok/s={batch.ids.numel() / dt:.0f}")
+            self.last_losses = per_exit
+            if self.step % cfg.val_every == 0 or self.step == cfg.steps:
+                self.record(self.validator.run())
+            if self.step % cfg.ckpt_every == 0 or self.step in (cfg.steps, stop):
+                self.save_checkpoint()
+        bar.close()
+        return self.history
+
+    def record(self, metrics: dict) -> None:
+        entry = {"step": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1),
+                 "train_loss": getattr(self, "last_losses", None), **metrics}
+        self.history.append(entry)
+        with open(self.out / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        logger.info("validation %s", json.dumps(entry))
+
+    def trainable_state(self) -> dict:
+        state = {"layers": self.draft.layers.state_dict()}
+        if self.head_rows is not None:
+            state["norm"] = self.draft.parts.norm.state_dict()
+            state["head_rows"] = self.head_rows.detach().clone()
+        return state
+
+    def save_checkpoint(self) -> None:
+        tmp = self.out / (CKPT + ".tmp")
+        torch.save({"cfg": asdict(self.cfg), "step": self.step, "tokens": self.tokens, "wall": self.wall,
+                    "history": self.history, "model": self.trainable_state(), "opt": self.opt.state_dict(),
+                    "sched": self.sched.state_dict(), "vocab_ids": self.vocab.ids,
+                    "rng": torch.get_rng_state()}, tmp)
+        tmp.replace(self.out / CKPT)
+
+    def resume(self) -> bool:
+        path = self.out / CKPT
+        if not path.exists():
+            return False
+        ck = torch.load(path, weights_only=False)
+        if ck["cfg"] != {**asdict(self.cfg), "steps": ck["cfg"]["steps"]}:
+            raise ValueError(f"{path} was written by a different configuration; use another --out or the same flags")
+        self.draft.layers.load_state_dict(ck["model"]["layers"])
+        if self.head_rows is not None:
+            self.draft.parts.norm.load_state_dict(ck["model"]["norm"])
+            self.head_rows.data.copy_(ck["model"]["head_rows"])
+        self.opt.load_state_dict(ck["opt"])
+        self.sched.load_state_dict(ck["sched"])
+        self.step, self.tokens, self.wall, self.history = ck["step"], ck["tokens"], ck["wall"], ck["history"]
+        torch.set_rng_state(ck["rng"])
+        logger.info("resumed %s at step %d", path, self.step)
+        return True
+
+    def export(self) -> SortedDraft:
+        """The trained draft as the engine loads it (reduced vocabulary and own norm/head when trained)."""
+        draft = self.draft
+        if self.head_rows is not None:
+            head = draft.parts.head
+            with torch.no_grad():
+                if self.vocab.ids is None:
+                    head.weight.copy_(self.head_rows)
+                else:
+                    head.weight[self.vocab.ids] = self.head_rows
+        return draft.with_vocab(self.vocab.ids) if self.vocab.ids is not None else draft
+
+    def save_draft(self, directory: Path, command: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+        draft = self.export()
+        draft.spec.provenance = {"trained_by": "s2d train-draft", "target": self.cfg.target, "steps": self.step}
+        draft.save(directory, dtype=dtype)
+        manifest = {"command": command, "config": asdict(self.cfg),
+                    "data_sha256_16": data_hash([Path(p) for p in self.cfg.data]), "steps": self.step,
+                    "train_tokens": self.tokens, "wall_s": round(self.wall, 1),
+                    "final_metrics": self.history[-1] if self.history else {},
+                    "curve": self.history}
+        (directory / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
+        return manifest
+
+
+def export_checkpoint(run_dir: Path, save_dir: Path, command: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Write the draft directory of a run's latest checkpoint without loading its data (what --save writes)."""
+    ck = torch.load(Path(run_dir) / CKPT, weights_only=False)
+    cfg = SoftConfig(**ck["cfg"])
+    target = load_model(cfg.target, dtype=getattr(torch, cfg.dtype))
+    run = Run.__new__(Run)
+    run.cfg, run.step, run.tokens, run.wall, run.history = cfg, ck["step"], ck["tokens"], ck["wall"], ck["history"]
+    run.vocab = SubVocab(ck["vocab_ids"], target.model.config.vocab_size)
+    run.target = target
+    run.draft, run.params = Run._make_draft(run)
+    run.draft.layers.load_state_dict(ck["model"]["layers"])
+    if run.head_rows is not None:
+        run.draft.parts.norm.load_state_dict(ck["model"]["norm"])
+        run.head_rows.data.copy_(ck["model"]["head_rows"])
+    return run.save_draft(Path(save_dir), command, dtype)

@@ -1,0 +1,248 @@
+"""The benchmark harness: Spec-Bench end to end on a tiny model, the speedup/MAT definitions, the equality check,
+per-step costs, and the streaming load client (against a tiny SSE server until the real app is wired in)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import save_tiny_llama
+from s2d_ray.bench.methods import HFGenerate, MethodStats
+from s2d_ray.bench.report import summarize
+from s2d_ray.bench.spec import Question, SpecRun, read_questions, run_target, select_questions
+from s2d_ray.cli import main
+from s2d_ray.models import load_model
+
+ROWS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
+    {"question_id": 82, "category": "coding", "turns": ["def add(a, b):", "Add type hints."]},
+    {"question_id": 201, "category": "translation", "turns": ["Translate to German: good morning"]},
+    {"question_id": 301, "category": "summarization", "turns": ["Summarize: the quick brown fox jumps."]},
+    {"question_id": 401, "category": "qa", "turns": ["What is the capital of France?"]},
+    {"question_id": 501, "category": "math_reasoning", "turns": ["Natalia sold 48 clips. Half as many in May?"]},
+    {"question_id": 601, "category": "rag", "turns": ["Context: Paris is in France. Question: where is Paris?"]},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("bench") / "tiny", num_layers=4, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def questions_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("spec") / "question.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    return path
+
+
+def test_spec_bench_end_to_end_on_a_tiny_model(tiny_dir, questions_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["bench", "spec", "--target", str(tiny_dir), "--draft", f"cut:{tiny_dir}:3", "--questions",
+               str(questions_file), "--per-category", "1", "--max-new-tokens", "10", "--dtype", "float64",
+               "--threads", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    methods = data["meta"]["methods"][str(tiny_dir)]
+    assert methods == ["hf-generate", "ar", "hf-assisted", "hf-assisted:heuristic", "hf-early-exit:3",
+                       "hf-prompt-lookup", "exit:1", "exit:2", "exit:3", "s2d"]
+    # one MT-Bench question (two turns) + one of each other task = 7 generations per method
+    assert len(data["records"]) == 7 * len(methods)
+    summary = data["summary"][str(tiny_dir)]
+    assert list(summary) == ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "overall"]
+    overall = summary["overall"]
+    assert overall["hf-generate"]["speedup"] == pytest.approx(1.0) and overall["hf-generate"]["mat"] == 1.0
+    for name, row in overall.items():
+        if name != "hf-generate":  # every lossless method equals plain decoding in float64
+            assert row["checked"] == 7 and row["equal"] == 7 and row["mismatches"] == 0, name
+    assert overall["s2d"]["exit_usage"] and abs(sum(overall["s2d"]["exit_usage"].values()) - 1) < 1e-9
+    assert overall["exit:2"]["exit_usage"] == {"2": 1.0}
+    assert overall["s2d"]["time_split"] is not None
+    turn2 = [r for r in data["records"] if r["turn"] == 2]
+    assert len({r["prompt_tokens"] for r in turn2}) == 1  # every method saw the same second-turn conversation
+    assert (out / "speedup.png").stat().st_size > 1000 and (out / "exit_usage.png").stat().st_size > 1000
+    assert "### " in (out / "tables.md").read_text() and "| s2d |" in capsys.readouterr().out
+
+
+def _rec(method, qid, tokens, seconds, forwards=None, drafted=None, accepted=None, exits=None, task="qa", turn=1):
+    return {"target": "t", "method": method, "question_id": qid, "task": task, "turn": turn, "new_tokens": tokens,
+            "seconds": seconds, "num_target_forwards": forwards, "num_draft_tokens": drafted,
+            "num_accepted_draft_tokens": accepted, "exit_histogram": exits or {}, "draft_seconds": None,
+            "target_seconds": None, "checked": method != "hf-generate", "mismatch": None}
+
+
+def test_speedup_mat_and_acceptance_follow_the_definitions():
+    records = [
+        _rec("hf-generate", 1, 100, 10.0, 100), _rec("hf-generate", 2, 50, 10.0, 50),  # 10 and 5 tok/s
+        _rec("ar", 1, 100, 5.0, 100), _rec("ar", 2, 50, 10.0, 50),  # faster than plain on q1 only
+        # q1 in two turns: 60 + 60 tokens over 2 + 2 s = 30 tok/s; q2: 50 tokens in 2.5 s = 20 tok/s
+        _rec("s2d", 1, 60, 2.0, 30, 40, 30, {"2": 30, "6": 10}, turn=1),
+        _rec("s2d", 1, 60, 2.0, 20, 50, 40, {"2": 20, "6": 30}, turn=2),
+        _rec("s2d", 2, 50, 2.5, 25, 30, 25, {"4": 30}),
+    ]
+    row = summarize(records)["t"]["overall"]["s2d"]
+    # Spec-Bench speedup: the mean of per-question ratios (30/10 and 20/5), not the ratio of mean tokens/s
+    assert row["speedup"] == pytest.approx((3.0 + 4.0) / 2)
+    assert row["ratio_of_mean_tps"] == pytest.approx(25.0 / 7.5)
+    assert row["speedup_vs_ar"] == pytest.approx((30 / 20 + 20 / 5) / 2)
+    assert row["speedup_vs_best_baseline"] == pytest.approx(min(3.5, 2.75))
+    assert row["tokens_per_second"] == pytest.approx(25.0)
+    assert row["mat"] == pytest.approx(170 / 75)  # tokens per target forward, bonus included, pooled
+    assert row["acceptance_rate"] == pytest.approx(95 / 120)
+    assert row["exit_usage"] == pytest.approx({"2": 50 / 120, "4": 30 / 120, "6": 40 / 120})
+    assert list(row["exit_usage"]) == ["2", "4", "6"]
+    plain = summarize(records)["t"]["overall"]["hf-generate"]
+    assert plain["speedup"] == 1.0 and plain["mat"] == 1.0 and plain["acceptance_rate"] is None
+
+
+class OneWrongToken:
+    """A deliberately broken 'lossless' method: plain decoding with its 4th token swapped for the least likely."""
+
+    name = "broken"
+    lossless = True
+
+    def __init__(self, model) -> None:
+        self.model, self.inner = model, HFGenerate(model, eos_token_id=None)
+
+    def generate(self, prompt_ids, max_new_tokens, params):
+        tokens, _ = self.inner.generate(prompt_ids, max_new_tokens, params)
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt_ids + tokens[:3]])).logits[0, -1]
+        return tokens[:3] + [int(logits.argmin())] + tokens[4:], MethodStats(num_target_forwards=len(tokens))
+
+
+def test_equality_check_flags_a_method_that_changes_one_token(tiny_dir):
+    target = load_model(str(tiny_dir), dtype=torch.float64)
+    plain = HFGenerate(target.model, eos_token_id=None)
+    qs = [Question(1, "qa", "qa", ("What is the capital of France?",)),
+          Question(2, "writing", "mt_bench", ("Write a poem.", "Shorter."))]
+    records = run_target("tiny", target, [plain, OneWrongToken(target.model)], qs,
+                         SpecRun(max_new_tokens=8, progress=False))
+    broken = [r for r in records if r["method"] == "broken"]
+    assert len(broken) == 3 and all(r["checked"] and r["matches_baseline"] is False for r in broken)
+    for r in broken:
+        mm = r["mismatch"]
+        assert mm["index"] == 3 and not mm["near_tie"] and mm["pair_gap"] > 0.01 and mm["top2_gap"] >= 0
+    row = summarize(records)["tiny"]["overall"]["broken"]
+    assert row["mismatches"] == 3 and row["equal"] == 0
+
+
+def test_question_selection_spreads_and_interleaves(questions_file):
+    rows = read_questions(questions_file)
+    assert {q.task for q in rows} == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    picked = select_questions(rows, 2)
+    assert [q.question_id for q in picked][:6] == [81, 201, 301, 401, 501, 601] and picked[-1].question_id == 82
+
+
+def test_bad_bench_arguments_are_one_line_errors(tiny_dir, questions_file, tmp_path, capsys):
+    base = ["bench", "spec", "--target", str(tiny_dir), "--draft", f"cut:{tiny_dir}:3", "--questions",
+            str(questions_file), "--no-progress", "--out", str(tmp_path / "o"), "--threads", "1"]
+    assert main(base + ["--per-category", "0"]) == 2
+    assert main(base + ["--methods", "hf-generate,warp-drive", "--max-new-tokens", "4"]) == 2
+    assert main(base + ["--categories", "poetry"]) == 2
+    assert main(["bench", "spec", "--questions", str(tmp_path / "missing.jsonl")]) == 2
+    captured = capsys.readouterr().err
+    err = [line for line in captured.splitlines() if line.startswith("s2d: error: ")]  # (loaders print progress)
+    assert len(err) == 4 and "Traceback" not in captured
+    assert "warp-drive" in err[1] and "poetry" in err[2]
+
+
+def test_steps_report_on_a_tiny_model(tiny_dir, questions_file, tmp_path, capsys):
+    rc = main(["bench", "steps", "--target", str(tiny_dir), "--draft", f"cut:{tiny_dir}:3", "--questions",
+               str(questions_file), "--context", "24", "--repeats", "2", "--max-k", "3", "--gen-tokens", "6",
+               "--gen-prompts", "2", "--threads", "1", "--dtype", "float64", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "steps.json").read_text())
+    assert list(r["target_steps"]) == ["decode", "verify_1", "verify_2", "verify_3"]
+    assert list(r["draft_steps"]) == ["exit:1", "exit:2", "exit:3", "s2d (fixed context)"]
+    assert r["draft_steps"]["exit:2"]["exits"] == {"2": 2}
+    assert all(p["same_tokens"] for p in r["ar_vs_generate"]["prompts"])
+    for o in r["overhead"]:
+        assert 0 < o["outside_forwards_frac"] < 1 and o["rounds"] > 0
+    assert "target verify k=3 (4 positions)" in capsys.readouterr().out
+
+
+# --- the load client ---------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sse_server():
+    """A stand-in OpenAI streaming endpoint on 127.0.0.1 (the real router replaces it once it exists):
+    5 chunks of 2 tokens, usage last; prompt "FAIL" -> 400, prompt "HANG" -> never answers."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        if body["prompt"] == "FAIL":
+            return JSONResponse({"error": {"message": "bad prompt", "type": "invalid_request_error"}}, 400)
+
+        async def events():
+            if body["prompt"] == "HANG":
+                await asyncio.sleep(30)
+            for i in range(5):
+                await asyncio.sleep(0.01)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f'ab{i}'}]})}\n\n"
+            if body.get("stream_options", {}).get("include_usage"):
+                yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 10}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_load_client_measures_levels_and_counts_errors(sse_server, tmp_path):
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, plot_load, run_load, serve_markdown
+
+    run = LoadRun(sse_server, "m", [1, 4], requests=6, max_seconds=20, max_tokens=10, timeout=5)
+    result = asyncio.run(run_load(run, ["hello", "FAIL", "world"]))
+    one, four = result["summary"]
+    assert (one["sent"], one["completed"], one["errors"]) == (6, 4, 2)
+    assert four["sent"] == 6 and four["errors"] == 2 and "HTTP 400" in four["error_samples"][0]
+    for lv in (one, four):
+        assert lv["output_tokens"] == 10 * lv["completed"]  # from usage, not chunk counts
+        assert 0 < lv["ttft_ms_p50"] <= lv["latency_ms_p50"] and lv["itl_ms_p50"] >= 5
+        assert lv["itl_ms_p99"] >= lv["itl_ms_p50"] and lv["throughput_tokens_per_s"] > 0
+    assert "| 4 | 4 | 2 |" in serve_markdown(result)
+    assert plot_load(result, tmp_path / "serve.png").stat().st_size > 1000
+
+
+def test_load_client_stops_by_itself_on_a_hanging_server(sse_server):
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, run_load
+
+    run = LoadRun(sse_server, "m", [2], requests=100, max_seconds=0.5, max_tokens=4, timeout=0.5)
+    t0 = time.perf_counter()
+    result = asyncio.run(run_load(run, ["HANG"]))
+    assert time.perf_counter() - t0 < 5
+    lv = result["summary"][0]
+    assert lv["completed"] == 0 and lv["errors"] == lv["sent"] >= 2 and "Timeout" in lv["error_samples"][0]

@@ -1,0 +1,256 @@
+"""SoFT training, data rendering, on-path simulation and calibration, on tiny random models (seconds each)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import make_tiny_tokenizer, save_tiny_llama
+from s2d_ray.train.data import is_heldout, pack, render_example
+from s2d_ray.train.forward import SubVocab, exit_logits, simulate_mat, soft_loss
+from s2d_ray.train.soft import Run, SoftConfig
+from s2d_ray.train.validate import PathPreds, adaptive_correct, simulate_policy
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DRAFT = REPO / "s2d_ray" / "assets" / "drafts" / "smollm2-135m-s2d"
+
+
+def write_rows(path: Path, n: int = 200) -> Path:
+    """Instruction rows with a learnable pattern (the response repeats a counting phrase)."""
+    rows = [{"id": f"r{i}", "source": "gsm8k_train" if i % 3 == 0 else "synthetic",
+             "instruction": f"Count from {i} please.", "response": " ".join(["one two three four"] * 4)}
+            for i in range(n)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def tiny_cfg(tmp_path: Path, model_dir: Path, **kw) -> SoftConfig:
+    base = dict(target=str(model_dir), out=str(tmp_path / "run"), data=[str(write_rows(tmp_path / "d.jsonl"))],
+                num_layers=2, exit_layers=[1, 2], seq_len=64, batch_size=4, steps=30, lr=1e-2, warmup=0.1,
+                val_every=1000, ckpt_every=1000, val_examples=4, seed=0)
+    base.update(kw)
+    return SoftConfig(**base)
+
+
+def exit_losses(run: Run) -> list[float]:
+    with torch.no_grad():
+        return run.loss_on(run.batch_at(0))[1]
+
+
+def test_render_masks_only_assistant_tokens():
+    tok = make_tiny_tokenizer()
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"},
+                             {"from": "human", "value": "more"}, {"from": "gpt", "value": "sure thing"}]}
+    ids, mask = render_example(tok, row)
+    taught = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert taught == "hello there<|im_end|>\nsure thing<|im_end|>\n"
+
+
+def test_pack_restarts_positions_and_isolates_documents():
+    rows = pack([([5, 6, 7], [False, True, True]), ([8, 9], [False, True])], seq_len=8)
+    assert len(rows) == 1
+    r = rows[0]
+    assert r.positions[0, :4].tolist() == [0, 1, 0, 0]  # doc 0 has 2 inputs, doc 1 has 1 input, then padding
+    assert r.labels[0, :3].tolist() == [6, 7, 9]
+    m = r.mask(torch.float32)[0, 0]
+    assert m[2, 0] < 0 and m[1, 0] == 0  # doc 1 cannot see doc 0; doc 0 sees its own past
+
+
+def test_heldout_split_is_stable_and_small():
+    keys = [f"instruction {i}" for i in range(2000)]
+    held = [k for k in keys if is_heldout(k)]
+    assert held == [k for k in keys if is_heldout(k)]
+    assert 10 < len(held) < 100
+
+
+def test_simulated_mat_counts_runs_and_bonus_tokens():
+    assert simulate_mat([True] * 12, k=5) == 12 / 2  # two rounds of 5 accepted + bonus
+    assert simulate_mat([False] * 4, k=5) == 1.0
+    assert simulate_mat([True, True, False, True], k=5) == 4 / 2
+    mat, rounds = simulate_policy([True] * 20, "heuristic", k=5)
+    assert rounds == 3 and mat == 20 / 3  # k grows 5 -> 7 -> 9
+
+
+def test_adaptive_choice_uses_first_confident_exit():
+    p = PathPreds(labels=torch.tensor([1, 2]), argmax=torch.tensor([[1, 9], [7, 2]]),
+                  conf=torch.tensor([[0.9, 0.3], [0.1, 0.8]]))
+    assert adaptive_correct(p, [0.5, 0.0]) == ([True, True], [0, 1])
+    assert adaptive_correct(p, [0.95, 0.0]) == ([False, True], [1, 1])
+
+
+def test_tiny_soft_run_lowers_every_exit_loss(tmp_path, tiny_llama_dir):
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir))
+    before = exit_losses(run)
+    run.train(progress=False)
+    after = exit_losses(run)
+    assert all(a < b - 0.3 for a, b in zip(after, before)), (before, after)
+    assert run.history and "teacher_forced" in run.history[-1]
+
+
+def test_resume_continues_the_same_run(tmp_path, tiny_llama_dir):
+    cfg = tiny_cfg(tmp_path, tiny_llama_dir, steps=8, ckpt_every=4)
+    straight = Run(replace(cfg, out=str(tmp_path / "straight")))
+    straight.train(progress=False)
+    first = Run(cfg)
+    first.train(progress=False, until=3)  # interrupted: the checkpoint holds step 3 (not a multiple of ckpt_every)
+    second = Run(cfg)
+    assert second.resume() and second.step == 3
+    second.train(progress=False)
+    for a, b in zip(straight.draft.layers.parameters(), second.draft.layers.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_kd_from_two_targets_runs_and_matters(tmp_path, tiny_llama_dir):
+    other = save_tiny_llama(tmp_path / "other", seed=1)
+    cfg = tiny_cfg(tmp_path, tiny_llama_dir, kd_targets=[str(tiny_llama_dir), str(other)], kd_weight=0.5,
+                   kd_temperature=2.0, steps=3, vocab_size=64, train_norm_head=True)
+    run = Run(cfg)
+    assert len(run.kd_models) == 2
+    batch = run.batch_at(0)
+    with torch.no_grad():
+        with_kd, _ = run.loss_on(batch)
+        run.cfg.kd_weight = 0.0
+        ce_only, _ = run.loss_on(batch)
+        run.cfg.kd_weight = 0.5
+    assert torch.isfinite(with_kd) and not torch.isclose(with_kd, ce_only)
+    run.train(progress=False)
+    assert run.step == 3
+
+
+def test_kd_loss_is_zero_when_draft_equals_target():
+    logits = torch.randn(5, 11)
+    out = type("O", (), {"logits": [logits], "labels": torch.full((5,), -100)})()
+    loss, _ = soft_loss(out, [1.0], kd=[logits.clone(), logits.clone()], kd_weight=1.0, temperature=2.0)
+    assert abs(float(loss)) < 1e-5
+
+
+def test_saved_draft_loads_with_reduced_vocab(tmp_path, tiny_llama_dir):
+    from s2d_ray.core.draft import SortedDraft
+    from s2d_ray.models import load_model
+
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, steps=2, vocab_size=40))
+    run.train(progress=False)
+    manifest = run.save_draft(tmp_path / "draft", "s2d train-draft ...", dtype=torch.float32)
+    base = load_model(str(tiny_llama_dir))
+    loaded = SortedDraft.load(tmp_path / "draft", base.model)
+    assert loaded.spec.reduced_vocab == len(run.vocab.ids) and manifest["steps"] == 2
+    batch = run.batch_at(0)
+    ref = exit_logits(run.draft.parts, run.draft.layers, batch, [1, 2], run.vocab)
+    got = exit_logits(loaded.parts, loaded.layers, batch, [1, 2], SubVocab(loaded.vocab_ids, 320))
+    torch.testing.assert_close(ref.logits[-1], got.logits[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_recovers_the_known_best_threshold():
+    """Exit 2 is cheap and right exactly when its confidence is 0.75 (wrong at 0.65); exit 4 is dear and always
+    right. The best threshold for exit 2 is therefore the grid value between them, 0.7, with long drafts."""
+    from s2d_ray.train.calibrate import Costs, search
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 50, (400,), generator=g)
+    conf0 = torch.where(torch.rand(400, generator=g) < 0.5, 0.75, 0.65)
+    arg0 = torch.where(conf0 > 0.7, labels, labels + 1)
+    preds = [PathPreds(labels, torch.stack([arg0, labels]), torch.stack([conf0, torch.ones(400)]))]
+    costs = Costs(exit_token=[1.0, 10.0], head=0.1, verify={1: 20.0, 17: 40.0})
+    ranked = search(preds, [2, 4], costs)
+    best = ranked[0]
+    assert best["thresholds"] == [0.7, 0.0]
+    assert best["mat"] > 4 and (best["policy"] == "heuristic" or best["k"] >= 5)  # all-correct paths: long drafts
+    same_policy = [r for r in ranked if (r["policy"], r["k"]) == (best["policy"], best["k"])]
+    worse = next(r for r in same_policy if r["thresholds"] == [0.6, 0.0])
+    assert worse["mat"] < best["mat"] and worse["speedup"] < best["speedup"]
+
+
+def test_measured_costs_have_one_entry_per_exit(tiny_llama_dir):
+    from s2d_ray.core.draft import SortedDraft
+    from s2d_ray.models import load_model
+    from s2d_ray.train.calibrate import measure_costs
+
+    base = load_model(str(tiny_llama_dir))
+    draft = SortedDraft.cut(base.model, str(tiny_llama_dir), 2, [1, 2])
+    costs = measure_costs(draft, base.model, list(range(3, 40)), repeat=1, k=3)
+    assert len(costs.exit_token) == 2 and all(c > 0 for c in costs.exit_token)
+    assert set(costs.verify) == {1, 2, 4, 8, 12, 17} and costs.head > 0
+
+
+def test_calibrate_cli_writes_a_profile_the_engine_reads(tmp_path, tiny_llama_dir, capsys):
+    from s2d_ray.build import build_engine
+    from s2d_ray.cli import main
+    from s2d_ray.config import DraftConfig, EngineConfig, TargetConfig
+
+    rows = write_rows(tmp_path / "rows.jsonl")
+    out = tmp_path / "profile.json"
+    draft = f"cut:{tiny_llama_dir}:2:1,2"
+    rc = main(["calibrate", "--target", str(tiny_llama_dir), "--draft", draft, "--out", str(out), "--data", str(rows),
+               "--num-prompts", "3", "--max-new-tokens", "8", "--threads", "1"])
+    assert rc == 0
+    profile = json.loads(out.read_text())
+    assert profile["exit_layers"] == [1, 2] and len(profile["thresholds"]) == 2 and profile["thresholds"][-1] == 0.0
+    assert profile["policy"] in ("fixed", "heuristic") and profile["calibration_set"]["responses"] >= 1
+    cfg = EngineConfig(target=TargetConfig(name=str(tiny_llama_dir), calibration=str(out)),
+                       draft=DraftConfig(source=draft), num_threads=1)
+    assert build_engine(cfg).draft.spec.thresholds == profile["thresholds"]
+
+
+def test_train_draft_cli_rejects_kd_without_targets(tmp_path, capsys):
+    from s2d_ray.cli import main
+
+    rc = main(["train-draft", "--out", str(tmp_path / "r"), "--kd-weight", "0.5"])
+    assert rc == 2 and "--kd-target" in capsys.readouterr().err
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not DEFAULT_DRAFT.is_dir(), reason="the default draft is committed by the training task")
+def test_committed_default_draft_loads_and_matches_its_manifest(smollm2):
+    from s2d_ray.core.draft import SortedDraft
+
+    manifest = json.loads((DEFAULT_DRAFT / "MANIFEST.json").read_text())
+    draft = SortedDraft.load(DEFAULT_DRAFT, smollm2.model)
+    cfg = manifest["config"]
+    assert draft.spec.num_layers == cfg["num_layers"] and draft.spec.exit_layers == cfg["exit_layers"]
+    assert (draft.vocab_ids is None) == (not cfg["vocab_size"])
+    assert draft.spec.provenance["steps"] == manifest["steps"]
+    assert sum(f.stat().st_size for f in DEFAULT_DRAFT.iterdir()) < 100 * 2**20
+    assert "train-draft" in manifest["command"] and manifest["data_sha256_16"]
+
+
+def test_extract_answer_prefers_the_gsm8k_marker():
+    from s2d_ray.train.lora import extract_answer
+
+    assert extract_answer("so 3 + 4 = 7\n#### 1,234") == "1234"
+    assert extract_answer("The answer is 18.") == "18"
+    assert extract_answer("no digits") is None
+
+
+def test_lora_adapter_trains_and_loads_as_a_named_source(tmp_path, tiny_llama_dir):
+    from s2d_ray.models import NAMED_SOURCES, NamedSource, load_model, register_source
+    from s2d_ray.train.lora import train_lora
+
+    rows = write_rows(tmp_path / "rows.jsonl")
+    info = train_lora(str(tiny_llama_dir), rows, tmp_path / "adapter", steps=3, batch_size=2, lr=1e-2, rank=4)
+    assert info["steps"] == 3 and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    register_source(NamedSource(name="tiny-lora-test", base=str(tiny_llama_dir), adapter_dir=tmp_path / "adapter"))
+    try:
+        merged = load_model("tiny-lora-test", cache_dir=tmp_path / "cache")
+        base = load_model(str(tiny_llama_dir))
+        q_merged = merged.model.model.layers[0].self_attn.q_proj.weight
+        assert not torch.equal(q_merged, base.model.model.layers[0].self_attn.q_proj.weight)
+    finally:
+        NAMED_SOURCES.pop("tiny-lora-test", None)
+
+
+def test_export_from_checkpoint_equals_the_saved_draft(tmp_path, tiny_llama_dir):
+    from safetensors.torch import load_file
+
+    from s2d_ray.train.soft import export_checkpoint
+
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, steps=2, vocab_size=40, ckpt_every=1))
+    run.train(progress=False)
+    run.save_draft(tmp_path / "saved", "cmd")
+    manifest = export_checkpoint(tmp_path / "run", tmp_path / "exported", "cmd")
+    a, b = load_file(str(tmp_path / "saved" / "draft.safetensors")), load_file(str(tmp_path / "exported" / "draft.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert manifest["steps"] == 2
