@@ -18,7 +18,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        # Below 1e-5 the tempered softmax under/overflows (NaN in float32); decode greedily, as vLLM does.
+        return self.temperature < 1e-5
 
 
 @dataclass(frozen=True)
