@@ -213,7 +213,7 @@ def test_committed_default_draft_loads_and_matches_its_manifest(smollm2):
     assert draft.spec.num_layers == cfg["num_layers"] and draft.spec.exit_layers == cfg["exit_layers"]
     assert (draft.vocab_ids is None) == (not cfg["vocab_size"])
     assert draft.spec.provenance["steps"] == manifest["steps"]
-    assert sum(f.stat().st_size for f in DEFAULT_DRAFT.iterdir()) < 100 * 2**20
+    assert sum(f.stat().st_size for f in DEFAULT_DRAFT.rglob("*") if f.is_file()) < 100 * 2**20
     assert "train-draft" in manifest["command"] and manifest["data_sha256_16"]
 
 
