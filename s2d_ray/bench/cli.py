@@ -84,6 +84,8 @@ def run_spec(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1 or (args.per_category is not None and args.per_category < 1):
         raise ConfigError("--max-new-tokens and --per-category must be >= 1")
+    if args.target and len(set(args.target)) != len(args.target):
+        raise ConfigError(f"--target repeats a target: {args.target}")
     questions = select_questions(read_questions(args.questions or default_questions_path()),
                                  args.per_category, args.categories)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed if args.temperature > 0 else None)

@@ -12,7 +12,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 from .spec import BASELINE
 
@@ -46,10 +46,14 @@ def per_question(records: list[dict]) -> dict[tuple, dict]:
     return out
 
 
+def _ratios(qs: dict, method: str, base: str, target: str, ids: list) -> list[float]:
+    return [qs[(target, method, i)]["tps"] / qs[(target, base, i)]["tps"] for i in ids
+            if (target, base, i) in qs and qs[(target, base, i)]["tps"] > 0]
+
+
 def _mean_ratio(qs: dict, method: str, base: str, target: str, ids: list) -> float | None:
-    pairs = [(qs[(target, method, i)]["tps"], qs[(target, base, i)]["tps"]) for i in ids
-             if (target, base, i) in qs and qs[(target, base, i)]["tps"] > 0]
-    return mean(a / b for a, b in pairs) if pairs else None
+    ratios = _ratios(qs, method, base, target, ids)
+    return mean(ratios) if ratios else None
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -77,6 +81,8 @@ def _row(qs: dict, target: str, method: str, ids: list) -> dict:
         "speedup": speedup,
         "speedup_vs_ar": vs_ar,
         "speedup_vs_best_baseline": min(s for s in (speedup, vs_ar) if s is not None) if speedup is not None else None,
+        # one load spike on a baseline generation inflates a mean of ratios; the median shows it
+        "speedup_median": median(r) if (r := _ratios(qs, method, BASELINE, target, ids)) else None,
         "ratio_of_mean_tps": _ratio(mean(r["tps"] for r in rows), mean(base_tps) if base_tps else None),
         "mat": _ratio(tot["new_tokens"], tot["num_target_forwards"]),
         "acceptance_rate": _ratio(tot["num_accepted_draft_tokens"], tot["num_draft_tokens"]),

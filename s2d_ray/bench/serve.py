@@ -201,11 +201,15 @@ def plot_load(result: dict, path: Path) -> Path:
     a.set_xlabel("concurrent requests")
     a.set_ylabel("output tokens/s")
     a.set_title("throughput")
+    seen = []
     for key, style in (("ttft_ms", "-"), ("itl_ms", "--")):
         for q in ("p50", "p99"):
-            b.plot(c, [x[f"{key}_{q}"] or float("nan") for x in s], style, marker="o", label=f"{key[:-3]} {q}")
+            ys = [x[f"{key}_{q}"] for x in s]
+            seen += [y for y in ys if y]
+            b.plot(c, [y or float("nan") for y in ys], style, marker="o", label=f"{key[:-3]} {q}")
     b.set_xscale("log", base=2)
-    b.set_yscale("log")
+    if seen:  # nothing completed: no latencies, and a log axis would refuse the empty plot
+        b.set_yscale("log")
     b.set_xlabel("concurrent requests")
     b.set_ylabel("ms")
     b.set_title("latency")
