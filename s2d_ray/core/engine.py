@@ -213,7 +213,7 @@ class SpecEngine:
         t0 = time.perf_counter()
         proposals = [Proposal.empty() for _ in drafts]
         if any(d.k > 0 for d in drafts):
-            proposals = await _maybe_await(propose([d for d in drafts]))
+            proposals = await _maybe_await(propose(drafts))
         t1 = time.perf_counter()
         logits = await _maybe_await(score(self.score_requests(drafts, proposals)))
         t2 = time.perf_counter()

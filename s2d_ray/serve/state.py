@@ -58,6 +58,12 @@ def replica_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def release_all(holder: Any, seq_ids: list[str]) -> None:
+    """Free each sequence's KV on a verifier or drafter (run on the model thread, like every model call)."""
+    for seq_id in seq_ids:
+        holder.release(seq_id)
+
+
 def split_like(flat: list[Any], batches: list[list[Any]]) -> list[list[Any]]:
     """Cut a flat result list back into the shapes of the batched calls it came from."""
     out, start = [], 0

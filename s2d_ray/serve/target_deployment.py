@@ -12,7 +12,7 @@ from ..build import load_target, set_threads
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from .app_config import AppConfig
-from .state import IdleSequences, ModelThread, replica_device, split_like
+from .state import IdleSequences, ModelThread, release_all, replica_device, split_like
 from .tp import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -30,11 +30,7 @@ class LocalTarget:
         return [x.clone() for x in logits]  # each tensor pickles alone, not the whole batch's storage
 
     async def release(self, seq_ids: list[str]) -> None:
-        def drop() -> None:
-            for s in seq_ids:
-                self.verifier.release(s)
-
-        await self.thread.run(drop)
+        await self.thread.run(release_all, self.verifier, seq_ids)
 
     async def num_active(self) -> int:
         return self.verifier.num_active

@@ -23,7 +23,7 @@ from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..errors import S2DError
 from .app_config import TargetSpec
-from .state import ModelThread
+from .state import ModelThread, release_all
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,7 @@ class TPWorker:
         return [x.clone() for x in logits] if self.rank == 0 else None
 
     async def release(self, seq_ids: list[str]) -> None:
-        def drop() -> None:
-            for s in seq_ids:
-                self.verifier.release(s)
-
-        await self.thread.run(drop)
+        await self.thread.run(release_all, self.verifier, seq_ids)
 
     async def num_active(self) -> int:
         return await self.thread.run(lambda: self.verifier.num_active)
