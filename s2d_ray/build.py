@@ -82,6 +82,43 @@ def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedMode
                       trust_remote_code=cfg.trust_remote_code)
 
 
+def calibration_path(cfg: EngineConfig) -> Path | None:
+    """The target's calibration profile: an explicit path, or (`auto`) the one committed with the draft, if any."""
+    choice = cfg.target.calibration
+    if choice in (None, "", "off") or cfg.spec.mode == "ar":
+        return None
+    if choice != "auto":
+        path = Path(choice).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"calibration profile {choice} does not exist")
+        return path
+    directory = draft_dir(cfg.draft.source)
+    if directory is None:
+        return None
+    path = directory / "calibration" / f"{Path(cfg.target.resolved_source).name}.json"
+    return path if path.is_file() else None
+
+
+def load_profile(cfg: EngineConfig) -> dict | None:
+    path = calibration_path(cfg)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"calibration profile {path} is not readable JSON: {exc}") from exc
+
+
+def effective_spec(cfg: EngineConfig) -> SpecConfig:
+    """SpecConfig with the profile's draft-length policy where the user did not set one (explicit settings win)."""
+    profile = load_profile(cfg)
+    if profile is None or cfg.spec.fixed_exit is not None:
+        return cfg.spec
+    given = cfg.spec.model_fields_set
+    update = {f: profile[f] for f in ("policy", "k") if f in profile and f not in given}
+    return cfg.spec.model_copy(update=update) if update else cfg.spec
+
+
 def apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
     """Mode exit:L, config overrides, then the per-target calibration profile decide exits and thresholds."""
     fixed = cfg.spec.fixed_exit
@@ -91,10 +128,9 @@ def apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
         return draft.with_exits([fixed], [0.0])
     exits = cfg.draft.exit_layers or draft.spec.exit_layers
     thresholds = cfg.draft.thresholds
-    if thresholds is None and cfg.target.calibration:
-        profile = json.loads(Path(cfg.target.calibration).read_text())
-        if profile.get("exit_layers", exits) == exits:
-            thresholds = profile["thresholds"]
+    profile = load_profile(cfg) if thresholds is None else None
+    if profile is not None and profile.get("exit_layers", exits) == exits:
+        thresholds = profile["thresholds"]
     if thresholds is None and exits == draft.spec.exit_layers:
         thresholds = draft.spec.thresholds
     if exits == draft.spec.exit_layers and thresholds == draft.spec.thresholds:
@@ -106,6 +142,16 @@ def apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
 
 def make_policy(spec: SpecConfig) -> DraftLengthPolicy:
     return FixedK(spec.k) if spec.policy == "fixed" else HeuristicK(start=spec.k, max_k=spec.max_k)
+
+
+def warn_if_modelled_slower(cfg: EngineConfig) -> None:
+    """Say so when the target's own calibration found no setting that beats plain decoding where it was measured."""
+    profile = load_profile(cfg)
+    modelled = (profile or {}).get("modelled", {}).get("speedup")
+    if modelled is not None and modelled < 1.0 and cfg.spec.mode == "s2d":
+        logger.warning("calibration %s models S2D at %.2fx plain decoding for %s (measured with %s); `--mode ar` may "
+                       "be faster here", calibration_path(cfg), modelled, cfg.target.name,
+                       profile.get("measured_with", "fp32, 1 thread"))
 
 
 @dataclass
@@ -122,15 +168,18 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     draft = None if cfg.spec.mode == "ar" else build_draft(cfg, target)
+    spec = effective_spec(cfg)
+    warn_if_modelled_slower(cfg)
     tok = target.tokenizer
     max_ctx = cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None)
     engine = SpecEngine(
         TargetVerifier(target.model),
         SortedDrafter(draft, cfg.draft.stop_confidence) if draft is not None else None,
-        policy=make_policy(cfg.spec),
+        policy=make_policy(spec),
         max_context=max_ctx,
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
     )
-    logger.info("engine: target=%s mode=%s draft=%s exits=%s", cfg.target.name, cfg.spec.mode,
-                cfg.draft.source if draft else None, draft.spec.exit_layers if draft else None)
+    logger.info("engine: target=%s mode=%s draft=%s exits=%s thresholds=%s policy=%s k=%d", cfg.target.name,
+                cfg.spec.mode, cfg.draft.source if draft else None, draft.spec.exit_layers if draft else None,
+                draft.spec.thresholds if draft else None, spec.policy, spec.k)
     return Built(engine, target, draft, cfg)

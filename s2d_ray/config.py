@@ -67,7 +67,10 @@ class TargetConfig(_Strict):
     source: str | None = Field(None, description="Named source, HF directory or .gguf file; default: `name`.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field("float32", description="Weights dtype.")
     max_context: int | None = Field(None, ge=8, description="Context limit in tokens; default: the model's.")
-    calibration: str | None = Field(None, description="A per-target profile (JSON) from `s2d calibrate`.")
+    calibration: str | None = Field(
+        "auto", description="A per-target profile (JSON) from `s2d calibrate`; `auto`: the profile committed with the "
+        "draft for this target, if there is one; null or `off`: none (the draft's or the paper's settings)."
+    )
 
     @property
     def resolved_source(self) -> str:

@@ -10,7 +10,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..commands.generate import spec_config
+from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DraftConfig, EngineConfig, TargetConfig
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 
@@ -30,8 +31,11 @@ def _engine_args(p: argparse.ArgumentParser, multi_target: bool) -> None:
     else:
         p.add_argument("--target", default=DEFAULT_TARGET, help="target: named source, HF directory or .gguf")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
-    p.add_argument("--policy", choices=["heuristic", "fixed"], default="heuristic", help="draft length policy")
-    p.add_argument("--k", type=int, default=5, help="fixed k, or the heuristic's starting k")
+    p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
+                   help="draft length policy (default: the target's calibration profile, else heuristic)")
+    p.add_argument("--k", type=int, default=None, help="fixed k, or the heuristic's starting k (default: profile, else 5)")
+    p.add_argument("--calibration", default="auto",
+                   help="per-target profile; auto: the one committed with the draft; off: the draft's own settings")
     p.add_argument("--exits", type=_ints, default=None, help="override the draft's exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=_floats, default=None, help="override thresholds, e.g. 0.5,0.5,0")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
@@ -40,9 +44,9 @@ def _engine_args(p: argparse.ArgumentParser, multi_target: bool) -> None:
 
 def engine_config(args: argparse.Namespace, target: str) -> EngineConfig:
     return EngineConfig(
-        target=TargetConfig(name=target, dtype=args.dtype),
+        target=TargetConfig(name=target, dtype=args.dtype, calibration=args.calibration),
         draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds),
-        spec=SpecConfig(mode="s2d", policy=args.policy, k=args.k),
+        spec=spec_config(args, "s2d"),
         num_threads=args.threads,
     )
 

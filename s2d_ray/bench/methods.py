@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..build import build_draft, build_engine
-from ..config import EngineConfig
+from ..config import EngineConfig, SpecConfig
 from ..core.draft import SortedDraft
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
@@ -237,7 +237,8 @@ class EngineMethod:
 
 def with_mode(cfg: EngineConfig, mode: str) -> EngineConfig:
     """The same config in another speculation mode (validated, so a bad `exit:` fails here)."""
-    return EngineConfig.model_validate({**cfg.model_dump(), "spec": {**cfg.spec.model_dump(), "mode": mode}})
+    SpecConfig(mode=mode)  # validates the mode; the copy keeps which fields the user set (profiles fill the rest)
+    return cfg.model_copy(update={"spec": cfg.spec.model_copy(update={"mode": mode})})
 
 
 # --- construction from names ---------------------------------------------------------------------------------------

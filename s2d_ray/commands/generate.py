@@ -19,13 +19,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target: named source, HF directory or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
     p.add_argument("--mode", default="s2d", help="s2d (adaptive exits) | ar (target only) | exit:<layer>")
-    p.add_argument("--policy", choices=["heuristic", "fixed"], default="heuristic", help="draft length policy")
-    p.add_argument("--k", type=int, default=5, help="fixed k, or the heuristic's starting k")
+    p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
+                   help="draft length policy (default: the calibration profile's, else heuristic)")
+    p.add_argument("--k", type=int, default=None, help="fixed k, or the heuristic's starting k (default: profile, else 5)")
     p.add_argument("--exits", type=_int_list, default=None, help="override exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=_float_list, default=None, help="override thresholds, e.g. 0.5,0.5,0")
     p.add_argument("--stop-confidence", type=float, default=0.0,
                    help="stop drafting when the draft's probability of its token falls below this")
-    p.add_argument("--calibration", default=None, help="per-target profile from `s2d calibrate`")
+    p.add_argument("--calibration", default="auto",
+                   help="per-target profile from `s2d calibrate`; auto: the draft's committed one; off: none")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -35,9 +37,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         target=TargetConfig(name=args.target, dtype=args.dtype, calibration=args.calibration),
         draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
                           stop_confidence=args.stop_confidence),
-        spec=SpecConfig(mode=args.mode, policy=args.policy, k=args.k),
+        spec=spec_config(args, args.mode),
         num_threads=args.threads,
     )
+
+
+def spec_config(args: argparse.Namespace, mode: str) -> SpecConfig:
+    """Only what the user gave is set, so a calibration profile can fill in the draft-length policy."""
+    return SpecConfig(mode=mode, **{f: getattr(args, f) for f in ("policy", "k") if getattr(args, f) is not None})
 
 
 def register(sub) -> None:

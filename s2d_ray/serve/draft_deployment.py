@@ -7,7 +7,7 @@ import logging
 
 from ray import serve
 
-from ..build import apply_exits, build_draft, load_target, set_threads
+from ..build import apply_exits, build_draft, calibration_path, load_target, set_threads
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.types import DraftRequest, Proposal
@@ -35,7 +35,7 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedD
     """Targets with a calibration profile get their own thresholds (same weights, own KV); others share the default."""
     out = {}
     for t in cfg.targets:
-        if t.calibration:
+        if calibration_path(cfg.engine_config(t.name)) is not None:
             tuned = apply_exits(draft, cfg.engine_config(t.name))
             out[t.name] = SortedDrafter(tuned, cfg.draft.stop_confidence)
     return out

@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import torch
 
 from ..build import build_draft, load_target, set_threads
 from ..commands.generate import add_engine_args, engine_config
@@ -59,6 +60,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile = {"target": cfg.target.resolved_source, "draft": cfg.draft.source, "exit_layers": exits,
                "thresholds": best["thresholds"], "policy": best["policy"], "k": best["k"],
                "modelled": {"speedup": round(best["speedup"], 4), "mat": round(best["mat"], 4)},
+               "measured_with": f"{cfg.target.dtype}, {torch.get_num_threads()} threads",
                "paper_defaults_modelled": {"speedup": round(paper["speedup"], 4), "mat": round(paper["mat"], 4)},
                "on_path": summarize(preds, exits, best["thresholds"]),
                "costs_ms": {"exit_token": [round(1e3 * c, 3) for c in costs.exit_token],

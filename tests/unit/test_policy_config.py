@@ -46,3 +46,55 @@ def test_core_imports_neither_ray_nor_pydantic():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _draft_with_profile(tiny_llama_dir, tmp_path, profile: dict | None):
+    """A saved 2-layer draft of the tiny model (exits 1, 2), with a committed-style profile for that target."""
+    import json
+
+    from s2d_ray.core.draft import SortedDraft
+    from s2d_ray.models import load_model
+
+    base = load_model(str(tiny_llama_dir))
+    directory = tmp_path / "draft"
+    SortedDraft.cut(base.model, str(tiny_llama_dir), 2, [1, 2], [0.5, 0.0]).save(directory)
+    if profile is not None:
+        (directory / "calibration").mkdir()
+        (directory / "calibration" / f"{tiny_llama_dir.name}.json").write_text(json.dumps(profile))
+    return directory
+
+
+def _built(tiny_llama_dir, directory, **spec):
+    from s2d_ray.build import build_engine
+    from s2d_ray.config import TargetConfig
+
+    calibration = spec.pop("calibration", "auto")
+    cfg = EngineConfig(target=TargetConfig(name=str(tiny_llama_dir), calibration=calibration),
+                       draft=DraftConfig(source=str(directory)), spec=SpecConfig(**spec), num_threads=1)
+    built = build_engine(cfg)
+    return built.draft.spec.thresholds, built.engine.policy
+
+
+def test_committed_profile_sets_thresholds_and_draft_length_unless_the_user_did(tiny_llama_dir, tmp_path, caplog):
+    profile = {"exit_layers": [1, 2], "thresholds": [0.8, 0.0], "policy": "fixed", "k": 3,
+               "modelled": {"speedup": 0.7}}
+    directory = _draft_with_profile(tiny_llama_dir, tmp_path, profile)
+    with caplog.at_level("WARNING"):
+        assert _built(tiny_llama_dir, directory) == ([0.8, 0.0], FixedK(3))
+    assert "0.70x" in caplog.text  # a profile that models a slowdown says so
+    # What the user sets wins field by field; `off` ignores the profile.
+    assert _built(tiny_llama_dir, directory, k=6)[1] == FixedK(6)
+    assert _built(tiny_llama_dir, directory, policy="heuristic")[1] == HeuristicK(start=3, max_k=16)
+    assert _built(tiny_llama_dir, directory, calibration="off") == ([0.5, 0.0], HeuristicK(start=5, max_k=16))
+    # A profile for other exits does not apply its thresholds.
+    other = _draft_with_profile(tiny_llama_dir, tmp_path / "o", {**profile, "exit_layers": [2]})
+    assert _built(tiny_llama_dir, other)[0] == [0.5, 0.0]
+
+
+def test_no_profile_means_the_drafts_own_settings_and_a_missing_path_is_an_error(tiny_llama_dir, tmp_path):
+    from s2d_ray.errors import ConfigError
+
+    directory = _draft_with_profile(tiny_llama_dir, tmp_path, None)
+    assert _built(tiny_llama_dir, directory) == ([0.5, 0.0], HeuristicK(start=5, max_k=16))
+    with pytest.raises(ConfigError, match="does not exist"):
+        _built(tiny_llama_dir, directory, calibration=str(tmp_path / "nope.json"))

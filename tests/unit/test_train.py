@@ -128,11 +128,14 @@ def test_kd_loss_is_zero_when_draft_equals_target():
     assert abs(float(loss)) < 1e-5
 
 
-def test_saved_draft_loads_with_reduced_vocab(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("train_norm_head", [False, True])
+def test_saved_draft_loads_with_reduced_vocab(tmp_path, tiny_llama_dir, train_norm_head):
+    from safetensors import safe_open
+
     from s2d_ray.core.draft import SortedDraft
     from s2d_ray.models import load_model
 
-    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, steps=2, vocab_size=40))
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, steps=2, vocab_size=40, train_norm_head=train_norm_head))
     run.train(progress=False)
     manifest = run.save_draft(tmp_path / "draft", "s2d train-draft ...", dtype=torch.float32)
     base = load_model(str(tiny_llama_dir))
@@ -142,6 +145,13 @@ def test_saved_draft_loads_with_reduced_vocab(tmp_path, tiny_llama_dir):
     ref = exit_logits(run.draft.parts, run.draft.layers, batch, [1, 2], run.vocab)
     got = exit_logits(loaded.parts, loaded.layers, batch, [1, 2], SubVocab(loaded.vocab_ids, 320))
     torch.testing.assert_close(ref.logits[-1], got.logits[-1], atol=1e-4, rtol=1e-4)
+    with safe_open(str(tmp_path / "draft" / "draft.safetensors"), "pt") as fh:
+        names = set(fh.keys())
+    # A trained head is stored as its reduced-vocabulary rows only, never the full [V, h] matrix.
+    assert ("head_rows" in names) == train_norm_head and not any(n.startswith("head.") for n in names)
+    if train_norm_head:
+        assert not torch.equal(loaded.parts.head.weight, base.model.lm_head.weight)
+        assert torch.equal(base.model.lm_head.weight, load_model(str(tiny_llama_dir)).model.lm_head.weight)
 
 
 def test_calibration_recovers_the_known_best_threshold():
