@@ -95,8 +95,13 @@ def calibration_path(cfg: EngineConfig) -> Path | None:
     directory = draft_dir(cfg.draft.source)
     if directory is None:
         return None
-    path = directory / "calibration" / f"{Path(cfg.target.resolved_source).name}.json"
-    return path if path.is_file() else None
+    # Costs (hence the best draft length) depend on the dtype: a profile for this dtype first, then the generic one.
+    name = Path(cfg.target.resolved_source).name
+    for file in (f"{name}.{cfg.target.dtype}.json", f"{name}.json"):
+        path = directory / "calibration" / file
+        if path.is_file():
+            return path
+    return None
 
 
 def load_profile(cfg: EngineConfig) -> dict | None:

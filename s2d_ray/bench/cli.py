@@ -33,7 +33,8 @@ def _engine_args(p: argparse.ArgumentParser, multi_target: bool) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
     p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
                    help="draft length policy (default: the target's calibration profile, else heuristic)")
-    p.add_argument("--k", type=int, default=None, help="fixed k, or the heuristic's starting k (default: profile, else 5)")
+    p.add_argument("--k", type=int, default=None,
+                   help="fixed k, or the heuristic's starting k (default: the profile's, else 5)")
     p.add_argument("--calibration", default="auto",
                    help="per-target profile; auto: the one committed with the draft; off: the draft's own settings")
     p.add_argument("--exits", type=_ints, default=None, help="override the draft's exits, e.g. 2,4,6")
@@ -73,7 +74,8 @@ def _register_spec(bench) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens per method in the untimed warm-up")
     p.add_argument("--tie-tolerance", type=float, default=0.01,
-                   help="a greedy mismatch whose two tokens' target logits differ by less than this is an fp32 near-tie")
+                   help="a greedy mismatch whose two tokens' target logits differ by less than this (plus 4 ulps of "
+                   "the logit in 16-bit dtypes) is a rounding near-tie")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/spec-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_spec)

@@ -21,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="s2d", help="s2d (adaptive exits) | ar (target only) | exit:<layer>")
     p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
                    help="draft length policy (default: the calibration profile's, else heuristic)")
-    p.add_argument("--k", type=int, default=None, help="fixed k, or the heuristic's starting k (default: profile, else 5)")
+    p.add_argument("--k", type=int, default=None,
+                   help="fixed k, or the heuristic's starting k (default: the profile's, else 5)")
     p.add_argument("--exits", type=_int_list, default=None, help="override exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=_float_list, default=None, help="override thresholds, e.g. 0.5,0.5,0")
     p.add_argument("--stop-confidence", type=float, default=0.0,

@@ -118,6 +118,8 @@ def _register_selfdistill(sub) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="bfloat16 decodes a batch ~2x faster on CPUs with AVX512-BF16/AMX (and on GPUs)")
     p.set_defaults(func=run_selfdistill)
 
 
@@ -130,7 +132,7 @@ def run_selfdistill(args: argparse.Namespace) -> int:
     rows = pick_rows(Path(args.data), args.num, args.seed, args.split,
                      {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None)
     made = generate_responses(args.target, rows, Path(args.out), args.max_new_tokens, args.batch_size,
-                              threads=args.threads)
+                              threads=args.threads, dtype=args.dtype)
     print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
     return 0
 

@@ -47,13 +47,13 @@ def pick_rows(path: Path, n: int, seed: int, split: str, sources: dict[str, floa
 
 
 def generate_responses(target: str, rows: list[dict], out: Path, max_new_tokens: int = 256, batch: int = 32,
-                       max_prompt: int = 384, threads: int | None = None) -> int:
+                       max_prompt: int = 384, threads: int | None = None, dtype: str = "float32") -> int:
     """Append {id, source, prompt_ids, response_ids, finish_reason} per row to `out` (resumable: skips done ids)."""
     done = set()
     if out.exists():
         done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip()}
     todo = [r for r in rows if r["id"] not in done]
-    cfg = EngineConfig(target=TargetConfig(name=target), spec=SpecConfig(mode="ar"), num_threads=threads)
+    cfg = EngineConfig(target=TargetConfig(name=target, dtype=dtype), spec=SpecConfig(mode="ar"), num_threads=threads)
     built = build_engine(cfg)
     tok = built.target.tokenizer
     eos = tuple(i for i in {tok.eos_token_id} if i is not None)
