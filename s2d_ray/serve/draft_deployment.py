@@ -32,12 +32,19 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
 
 
 def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedDrafter]:
-    """Targets with a calibration profile get their own thresholds (same weights, own KV); others share the default."""
-    out = {}
+    """Targets whose calibration profile sets other exits/thresholds get a drafter with them (same weights, own KV);
+    targets with equal settings share one, and those with the draft's own settings share the default."""
+    out: dict[str, SortedDrafter] = {}
+    by_settings: dict[tuple, SortedDrafter] = {}
+    default = (tuple(draft.spec.exit_layers), tuple(draft.spec.thresholds))
     for t in cfg.targets:
-        if calibration_path(cfg.engine_config(t.name)) is not None:
-            tuned = apply_exits(draft, cfg.engine_config(t.name))
-            out[t.name] = SortedDrafter(tuned, cfg.draft.stop_confidence)
+        ecfg = cfg.engine_config(t.name)
+        if calibration_path(ecfg) is None:
+            continue
+        tuned = apply_exits(draft, ecfg)
+        key = (tuple(tuned.spec.exit_layers), tuple(tuned.spec.thresholds))
+        if key != default:
+            out[t.name] = by_settings.setdefault(key, SortedDrafter(tuned, cfg.draft.stop_confidence))
     return out
 
 
@@ -60,7 +67,7 @@ class DraftDeployment:
 
     @property
     def drafters(self) -> list[SortedDrafter]:
-        return [self.default, *self.by_target.values()]
+        return list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def propose(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:

@@ -106,14 +106,20 @@ def test_target_calibration_gives_that_target_its_own_thresholds(tiny_family, tm
 
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"exit_layers": [1, 2, 3], "thresholds": [0.9, 0.7, 0.0]}))
+    same_as_draft = tmp_path / "same.json"
+    same_as_draft.write_text(json.dumps({"exit_layers": [1, 2, 3], "thresholds": [0.05, 0.05, 0.0]}))
     cfg = AppConfig.model_validate({
         "targets": [{"name": "a", "source": str(tiny_family["a"]), "dtype": "float64"},
-                    {"name": "b", "source": str(tiny_family["b"]), "dtype": "float64", "calibration": str(profile)}],
+                    {"name": "b", "source": str(tiny_family["b"]), "dtype": "float64", "calibration": str(profile)},
+                    {"name": "c", "source": str(tiny_family["b"]), "dtype": "float64", "calibration": str(profile)},
+                    {"name": "d", "source": str(tiny_family["b"]), "dtype": "float64",
+                     "calibration": str(same_as_draft)}],
         "draft": {"source": str(tiny_family["draft"]), "dtype": "float64"},
     })
     draft = load_shared_draft(cfg)
     assert draft.spec.thresholds == [0.05, 0.05, 0.0]
     drafters = per_target_drafters(cfg, draft)
-    assert set(drafters) == {"b"}
+    assert set(drafters) == {"b", "c"}  # d's profile equals the draft's own settings: it shares the default
     assert drafters["b"].thresholds == [0.9, 0.7, 0.0]
+    assert drafters["b"] is drafters["c"]  # equal settings: one drafter, so their rounds still merge
     assert drafters["b"].draft.layers is draft.layers  # same weights, only the exit rule differs
