@@ -156,6 +156,7 @@ def _register_lora(sub) -> None:
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--batch-size", type=int, default=16)
     e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     e.add_argument("--out", default=None, help="write per-problem predictions here (JSON)")
     e.set_defaults(func=run_eval_gsm8k)
 
@@ -178,7 +179,8 @@ def run_eval_gsm8k(args: argparse.Namespace) -> int:
     if args.num < 1:
         raise ValueError("--num must be >= 1")
     set_threads(args.threads)
-    res = gsm8k_accuracy(args.target, Path(args.test), args.num, args.max_new_tokens, args.batch_size, args.threads)
+    res = gsm8k_accuracy(args.target, Path(args.test), args.num, args.max_new_tokens, args.batch_size, args.threads,
+                         args.dtype)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))

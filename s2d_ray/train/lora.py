@@ -87,10 +87,10 @@ def extract_answer(text: str) -> str | None:
 
 
 def gsm8k_accuracy(target: str, test_file: Path, n: int, max_new_tokens: int = 256, batch: int = 16,
-                   threads: int | None = None) -> dict:
+                   threads: int | None = None, dtype: str = "float32") -> dict:
     """Greedy accuracy on the first n problems of test_file, decoded with the one engine in `ar` mode."""
     rows = [json.loads(x) for x in test_file.read_text().splitlines() if x.strip()][:n]
-    cfg = EngineConfig(target=TargetConfig(name=target), spec=SpecConfig(mode="ar"), num_threads=threads)
+    cfg = EngineConfig(target=TargetConfig(name=target, dtype=dtype), spec=SpecConfig(mode="ar"), num_threads=threads)
     built = build_engine(cfg)
     tok = built.target.tokenizer
     correct, outputs = 0, []
@@ -103,5 +103,5 @@ def gsm8k_accuracy(target: str, test_file: Path, n: int, max_new_tokens: int = 2
             gold = extract_answer(r["answer"])
             correct += int(pred is not None and gold is not None and float(pred) == float(gold))
             outputs.append({"pred": pred, "gold": gold})
-    return {"target": target, "n": len(rows), "correct": correct, "accuracy": correct / max(len(rows), 1),
-            "outputs": outputs}
+    return {"target": target, "dtype": dtype, "n": len(rows), "correct": correct,
+            "accuracy": correct / max(len(rows), 1), "outputs": outputs}
