@@ -10,6 +10,7 @@ speculation resumes after `retry_after_s`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from dataclasses import dataclass
@@ -139,7 +140,10 @@ class TargetScheduler:
         self.queues[req.seq_id] = queue
         self.waiting[req.seq_id] = req
         if self.task is None or self.task.done():
-            self.task = asyncio.get_running_loop().create_task(self._loop())
+            # A fresh context: a task copies its creator's contextvars, which here include Serve's request context
+            # of the HTTP request that happened to start the loop. Calls made under it are that request's children,
+            # and Serve cancelled them when it ended (seen in a soak: a cancelled KV release leaked a target row).
+            self.task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
         self.wake.set()
         return queue
 

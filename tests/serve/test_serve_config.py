@@ -123,3 +123,43 @@ def test_target_calibration_gives_that_target_its_own_thresholds(tiny_family, tm
     assert drafters["b"].thresholds == [0.9, 0.7, 0.0]
     assert drafters["b"] is drafters["c"]  # equal settings: one drafter, so their rounds still merge
     assert drafters["b"].draft.layers is draft.layers  # same weights, only the exit rule differs
+
+
+def test_decode_loop_does_not_run_under_the_request_context_that_started_it():
+    """Serve ties calls made under a request's context to that request (and cancelled them when it ended: a soak
+    leaked a target KV row through a cancelled release). The loop must make its calls under no request's context."""
+    import asyncio
+
+    from ray.serve import context as serve_context
+
+    from core_fixtures import random_prompts, tiny_target
+    from s2d_ray.core.engine import GenerationRequest, SpecEngine
+    from s2d_ray.core.target import TargetVerifier
+    from s2d_ray.serve.metrics import ServeMetrics
+    from s2d_ray.serve.scheduler import TargetScheduler
+
+    verifier = TargetVerifier(tiny_target())
+    seen: list[str | None] = []
+
+    class LocalTarget:  # the transport only: scores with the real verifier, notes the Serve request context
+        async def score(self, requests):
+            seen.append(serve_context._get_serve_request_context().request_id)
+            return verifier.score(requests)
+
+        def release(self, seq_id):
+            seen.append(serve_context._get_serve_request_context().request_id)
+            verifier.release(seq_id)
+
+    target = LocalTarget()
+    sched = TargetScheduler("t", SpecEngine(target), None, target, 4, 4, ServeMetrics())
+
+    async def handler() -> list[int]:
+        serve_context._set_request_context(request_id="first-http-request")
+        queue = sched.submit(GenerationRequest("s", random_prompts(1)[0], 3))
+        tokens = []
+        while not (event := await queue.get()).finished:
+            tokens += event.tokens
+        return tokens + event.tokens
+
+    assert len(asyncio.run(handler())) == 3
+    assert seen and "first-http-request" not in seen
