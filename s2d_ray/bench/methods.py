@@ -194,6 +194,18 @@ class HFPromptLookup(HFCandidateMethod):
         return {"prompt_lookup_num_tokens": self.num_tokens}
 
 
+class SubVocabHead(nn.Module):
+    """A reduced-vocabulary draft head as an HF `lm_head`: the draft's own rows for its token subset, -inf elsewhere
+    (exactly what the engine's drafter proposes from), so an assistant built from the draft is the same draft."""
+
+    def __init__(self, stack) -> None:
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.stack.head_logits(normed)
+
+
 def standalone_draft(draft: SortedDraft, target_config, exit_layer: int | None = None) -> nn.Module:
     """The draft up to one exit as a plain HF causal LM sharing the draft's modules (no weights copied)."""
     from transformers import AutoModelForCausalLM
@@ -204,7 +216,8 @@ def standalone_draft(draft: SortedDraft, target_config, exit_layer: int | None =
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(cfg)
     parts, base = draft.parts, lm.model
-    base.embed_tokens, base.norm, base.rotary_emb, lm.lm_head = parts.embed, parts.norm, parts.rotary, parts.head
+    head = parts.head if draft.vocab_ids is None else SubVocabHead(draft.stack)
+    base.embed_tokens, base.norm, base.rotary_emb, lm.lm_head = parts.embed, parts.norm, parts.rotary, head
     base.layers = nn.ModuleList(list(draft.layers)[:exit_layer])
     if any(p.is_meta for p in lm.parameters()) or any(b.is_meta for b in lm.buffers()):
         raise ConfigError("the draft could not be turned into a standalone model (a module was not shared)")

@@ -117,7 +117,10 @@ class LayerStack(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shared final norm and LM head: hidden [..., h] -> logits [..., V] (full vocabulary, always)."""
-        normed = self.parts.norm(hidden)
+        return self.head_logits(self.parts.norm(hidden))
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head alone, on normed hidden states (a reduced-vocabulary head: -inf outside its subset)."""
         if self.vocab_ids is None:
             # [tokens, h] goes in as [1, tokens, h]: AutoTP's sharded LM head slices a [batch, seq, h] input.
             return self.parts.head(normed[None])[0] if normed.dim() == 2 else self.parts.head(normed)

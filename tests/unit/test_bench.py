@@ -247,3 +247,21 @@ def test_load_client_stops_by_itself_on_a_hanging_server(sse_server, tmp_path):
     lv = result["summary"][0]
     assert lv["completed"] == 0 and lv["errors"] == lv["sent"] >= 2 and "Timeout" in lv["error_samples"][0]
     assert plot_load(result, tmp_path / "none.png").exists()  # no latencies at all still plots
+
+
+def test_assistant_built_from_a_reduced_vocab_draft_proposes_what_the_drafter_does():
+    """transformers' assisted generation must get the SAME draft: its own head rows, nothing outside its subset."""
+    from core_fixtures import noisy_draft, random_prompts, tiny_target
+    from s2d_ray.bench.methods import standalone_draft
+    from s2d_ray.core.draft import SortedDrafter
+    from s2d_ray.core.types import DraftRequest
+
+    target = tiny_target()
+    draft = noisy_draft(target, exits=[3], thresholds=[0.0]).with_vocab(torch.arange(10, 90))
+    lm = standalone_draft(draft, target.config)
+    for prompt in random_prompts(4, seed=3):
+        with torch.no_grad():
+            logits = lm(torch.tensor([prompt])).logits[0, -1]
+        assert torch.isinf(logits[:10]).all() and torch.isinf(logits[90:]).all()
+        proposal = SortedDrafter(draft).propose([DraftRequest("x", prompt, 1)])[0]
+        assert int(logits.argmax()) == proposal.tokens[0]
