@@ -114,9 +114,8 @@ def load_profile(cfg: EngineConfig) -> dict | None:
         raise ConfigError(f"calibration profile {path} is not readable JSON: {exc}") from exc
 
 
-def effective_spec(cfg: EngineConfig) -> SpecConfig:
+def effective_spec(cfg: EngineConfig, profile: dict | None) -> SpecConfig:
     """SpecConfig with the profile's draft-length policy where the user did not set one (explicit settings win)."""
-    profile = load_profile(cfg)
     if profile is None or cfg.spec.fixed_exit is not None:
         return cfg.spec
     given = cfg.spec.model_fields_set
@@ -149,9 +148,8 @@ def make_policy(spec: SpecConfig) -> DraftLengthPolicy:
     return FixedK(spec.k) if spec.policy == "fixed" else HeuristicK(start=spec.k, max_k=spec.max_k)
 
 
-def warn_if_modelled_slower(cfg: EngineConfig) -> None:
+def warn_if_modelled_slower(cfg: EngineConfig, profile: dict | None) -> None:
     """Say so when the target's own calibration found no setting that beats plain decoding where it was measured."""
-    profile = load_profile(cfg)
     modelled = (profile or {}).get("modelled", {}).get("speedup")
     if modelled is not None and modelled < 1.0 and cfg.spec.mode == "s2d":
         logger.warning("calibration %s models S2D at %.2fx plain decoding for %s (measured with %s); `--mode ar` may "
@@ -173,8 +171,9 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     draft = None if cfg.spec.mode == "ar" else build_draft(cfg, target)
-    spec = effective_spec(cfg)
-    warn_if_modelled_slower(cfg)
+    profile = load_profile(cfg)
+    spec = effective_spec(cfg, profile)
+    warn_if_modelled_slower(cfg, profile)
     tok = target.tokenizer
     max_ctx = cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None)
     engine = SpecEngine(

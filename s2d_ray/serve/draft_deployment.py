@@ -7,7 +7,7 @@ import logging
 
 from ray import serve
 
-from ..build import apply_exits, build_draft, calibration_path, load_target, set_threads
+from ..build import apply_exits, build_draft, load_target, set_threads
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.types import DraftRequest, Proposal
@@ -38,10 +38,7 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedD
     by_settings: dict[tuple, SortedDrafter] = {}
     default = (tuple(draft.spec.exit_layers), tuple(draft.spec.thresholds))
     for t in cfg.targets:
-        ecfg = cfg.engine_config(t.name)
-        if calibration_path(ecfg) is None:
-            continue
-        tuned = apply_exits(draft, ecfg)
+        tuned = apply_exits(draft, cfg.engine_config(t.name))  # without a profile: the draft's own settings
         key = (tuple(tuned.spec.exit_layers), tuple(tuned.spec.thresholds))
         if key != default:
             out[t.name] = by_settings.setdefault(key, SortedDrafter(tuned, cfg.draft.stop_confidence))
@@ -56,6 +53,8 @@ class DraftDeployment:
         draft = load_shared_draft(cfg)
         self.default = SortedDrafter(draft, cfg.draft.stop_confidence)
         self.by_target = per_target_drafters(cfg, draft)
+        # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
+        self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
         self.propose.set_max_batch_size(cfg.draft.max_batch_size)
         self.propose.set_batch_wait_timeout_s(cfg.draft.batch_wait_timeout_s)
@@ -64,10 +63,6 @@ class DraftDeployment:
         self.num_shared_forwards = 0  # runs that drafted for more than one target at once
         logger.info("draft %s ready: exits=%s thresholds=%s, per-target profiles=%s", cfg.draft.source,
                     draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target))
-
-    @property
-    def drafters(self) -> list[SortedDrafter]:
-        return list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def propose(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..build import effective_spec, make_policy, set_threads
+from ..build import effective_spec, load_profile, make_policy, set_threads
 from ..core.engine import SpecEngine
 from ..errors import CapacityError, RequestError, S2DError
 from ..models import check_same_vocabulary
@@ -162,7 +162,8 @@ class Router:
             fallback = self.metrics.draft_fallbacks.labels(name)
             draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
                                 on_fallback=fallback.inc)
-        spec = effective_spec(cfg.engine_config(name)) if cfg.uses_draft else cfg.spec
+        ecfg = cfg.engine_config(name)
+        spec = effective_spec(ecfg, load_profile(ecfg))  # `ar` has no profile: cfg.spec as it is
         engine = SpecEngine(target, draft, policy=make_policy(spec), max_context=info.max_context,
                             detokenize=info.detokenize)
         return TargetScheduler(name, engine, draft, target, cfg.max_sequences(name), cfg.limits.max_queued_requests,
