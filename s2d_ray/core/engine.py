@@ -44,6 +44,7 @@ class StepOutput:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    metrics: dict | None = None  # the sequence's SequenceMetrics.to_dict(), once it finished
 
 
 @dataclass
@@ -153,11 +154,14 @@ class SpecEngine:
                 seq.metrics.first_token_seconds = time.perf_counter() - seq.started
             if self.drafter is not None:
                 seq.k = self.policy.update(n_acc, seq.k) if result.n_drafted else seq.k
-            outputs.append(StepOutput(seq.req.seq_id, emitted, seq.finish_reason is not None, seq.finish_reason))
+            metrics = None
             if seq.finish_reason is not None:
                 seq.metrics.total_seconds = time.perf_counter() - seq.started
+                metrics = seq.metrics.to_dict()
                 del self.seqs[seq.req.seq_id]
                 self._release(seq.req.seq_id)
+            outputs.append(StepOutput(seq.req.seq_id, emitted, seq.finish_reason is not None, seq.finish_reason,
+                                      metrics))
         return outputs
 
     def _append(self, seq: _Sequence, new_tokens: list[int]) -> list[int]:
@@ -205,17 +209,17 @@ class SpecEngine:
         t2 = time.perf_counter()
         return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
 
-    async def step_async(self, propose: Callable, score: Callable) -> list[StepOutput]:
-        """The same round with awaitable propose/score calls (Ray handles); used by the router."""
+    async def step_async(self) -> list[StepOutput]:
+        """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
         live, drafts = self.plan()
         if not live:
             return []
         t0 = time.perf_counter()
         proposals = [Proposal.empty() for _ in drafts]
-        if any(d.k > 0 for d in drafts):
-            proposals = await _maybe_await(propose(drafts))
+        if self.drafter is not None and any(d.k > 0 for d in drafts):
+            proposals = await _maybe_await(self.drafter.propose(drafts))
         t1 = time.perf_counter()
-        logits = await _maybe_await(score(self.score_requests(drafts, proposals)))
+        logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
         t2 = time.perf_counter()
         return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
 

@@ -166,8 +166,7 @@ class Router:
         spec = effective_spec(ecfg, load_profile(ecfg))  # `ar` has no profile: cfg.spec as it is
         engine = SpecEngine(target, draft, policy=make_policy(spec), max_context=info.max_context,
                             detokenize=info.detokenize)
-        return TargetScheduler(name, engine, draft, target, cfg.max_sequences(name), cfg.limits.max_queued_requests,
-                               self.metrics)
+        return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
 
     # --- the Python handle API ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:

@@ -117,14 +117,13 @@ class Event:
 class TargetScheduler:
     """Admission, the round loop and per-request event queues for one target."""
 
-    def __init__(self, name: str, engine: SpecEngine, draft: DraftClient | None, target: TargetClient,
-                 max_running: int, max_waiting: int, metrics: ServeMetrics) -> None:
-        self.name, self.engine, self.draft, self.target = name, engine, draft, target
+    def __init__(self, name: str, engine: SpecEngine, max_running: int, max_waiting: int,
+                 metrics: ServeMetrics) -> None:
+        self.name, self.engine = name, engine  # the engine owns its drafter and verifier clients
         self.max_running, self.max_waiting, self.metrics = max_running, max_waiting, metrics
         self.waiting: dict[str, GenerationRequest] = {}
         self.queues: dict[str, asyncio.Queue[Event]] = {}
         self.cancelled: set[str] = set()
-        self._finished_metrics: dict = {}  # seq_id -> the engine's SequenceMetrics, read when it finishes
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -167,25 +166,19 @@ class TargetScheduler:
             await self._round()
 
     async def _round(self) -> None:
-        propose = self.draft.propose if self.draft is not None else None
         try:
-            outputs = await self.engine.step_async(propose, self.target.score)
+            outputs = await self.engine.step_async()
         except Exception as exc:
             logger.error("target %s round failed: %s", self.name, exc)
             err = exc if isinstance(exc, S2DError) else ServiceUnavailableError(f"{type(exc).__name__}: {exc}")
             for seq_id in list(self.engine.seqs):
                 self.engine.abort(seq_id)
-                self._finished_metrics.pop(seq_id, None)
                 self._send(seq_id, Event([], finished=True, error=err))
             return
         for out in outputs:
-            seq = self.engine.seqs.get(out.seq_id)
-            metrics = None
-            if out.finished:
-                metrics = self._finished_metrics.pop(out.seq_id).to_dict()
-            elif seq is not None and out.seq_id not in self.queues:
+            if not out.finished and out.seq_id in self.engine.seqs and out.seq_id not in self.queues:
                 self.cancelled.add(out.seq_id)  # nobody listens any more
-            self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, metrics))
+            self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, out.metrics))
 
     def _admit(self) -> None:
         while self.waiting and self.num_running < self.max_running:
@@ -195,13 +188,10 @@ class TargetScheduler:
                 self.engine.add_request(req)
             except ValueError as exc:
                 self._send(seq_id, Event([], finished=True, error=RequestError(str(exc))))
-                continue
-            self._finished_metrics[seq_id] = self.engine.seqs[seq_id].metrics
 
     def _abort_cancelled(self) -> None:
         for seq_id in self.cancelled:
             self.engine.abort(seq_id)
-            self._finished_metrics.pop(seq_id, None)
         self.cancelled.clear()
 
     def _send(self, seq_id: str, event: Event) -> None:

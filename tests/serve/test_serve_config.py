@@ -151,7 +151,7 @@ def test_decode_loop_does_not_run_under_the_request_context_that_started_it():
             verifier.release(seq_id)
 
     target = LocalTarget()
-    sched = TargetScheduler("t", SpecEngine(target), None, target, 4, 4, ServeMetrics())
+    sched = TargetScheduler("t", SpecEngine(target), 4, 4, ServeMetrics())
 
     async def handler() -> list[int]:
         serve_context._set_request_context(request_id="first-http-request")

@@ -153,3 +153,44 @@ def test_confidence_stop_drafts_fewer_tokens_and_stays_lossless(target):
     assert [c.token_ids for c in cut] == [a.token_ids for a in ar]
     drafted = lambda res: sum(r.metrics["num_draft_tokens"] / r.metrics["num_spec_steps"] for r in res)  # noqa: E731
     assert drafted(cut) < drafted(full)
+
+
+def test_step_async_awaits_its_own_clients_and_reports_metrics_on_finish(target):
+    """The async driver awaits the engine's drafter/verifier (async or not) and equals the sync one, metrics included."""
+    import asyncio
+
+    class Async:  # the shape of the Ray handle clients: awaitable propose/score, plain release
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def propose(self, drafts):
+            return self.inner.propose(drafts)
+
+        async def score(self, requests):
+            return self.inner.score(requests)
+
+        def release(self, seq_id):
+            self.inner.release(seq_id)
+
+    prompts = random_prompts(4, seed=7)
+    sync = run(SpecEngine(TargetVerifier(target), SortedDrafter(noisy_draft(target)), policy=FixedK(3)),
+               prompts, 20, batch=True)
+    engine = SpecEngine(Async(TargetVerifier(target)), Async(SortedDrafter(noisy_draft(target))), policy=FixedK(3))
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"s{i}", p, 20))
+    tokens: dict[str, list[int]] = {}
+    metrics: dict[str, dict] = {}
+
+    async def drive():
+        while engine.has_unfinished:
+            for out in await engine.step_async():
+                tokens.setdefault(out.seq_id, []).extend(out.new_tokens)
+                assert (out.metrics is not None) == out.finished
+                if out.finished:
+                    metrics[out.seq_id] = out.metrics
+
+    asyncio.run(drive())
+    for res in sync:
+        assert tokens[res.seq_id] == res.token_ids
+        assert metrics[res.seq_id]["num_draft_tokens"] == res.metrics["num_draft_tokens"]
+        assert metrics[res.seq_id]["num_accepted_draft_tokens"] == res.metrics["num_accepted_draft_tokens"]
