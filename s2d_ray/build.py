@@ -7,14 +7,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .config import EngineConfig, SpecConfig
-from .core.draft import SortedDraft, SortedDrafter, default_exits
+from .core.draft import DRAFT_CONFIG, Drafter, SortedDraft, SortedDrafter, default_exits
 from .core.engine import SpecEngine
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
-from .core.target import TargetVerifier
+from .core.target import TargetVerifier, Verifier
 from .errors import ConfigError, ModelLoadError
 from .models import LoadedModel, check_same_vocabulary, load_model
 
@@ -58,20 +59,32 @@ def parse_cut(source: str) -> tuple[str, int, list[int] | None]:
     return parts[1], int(parts[2]), exits
 
 
-def build_draft(cfg: EngineConfig, target: LoadedModel, base: LoadedModel | None = None) -> SortedDraft:
-    """The sorted draft named by cfg.draft, sharing the target's embedding/head when its base is the target."""
+def draft_base_source(source: str) -> str:
+    """The model whose embedding/norm/head (and tokenizer) a draft shares: from `cut:<model>:L` or its config file."""
+    directory = draft_dir(source)
+    if directory is None:
+        return parse_cut(source)[0]
+    path = directory / DRAFT_CONFIG
+    if not path.is_file():
+        raise ModelLoadError(f"{directory} is not a draft directory: it has no {DRAFT_CONFIG}")
+    return json.loads(path.read_text())["base_model"]
+
+
+def build_draft(cfg: EngineConfig, target: LoadedModel, profile: dict | None,
+                base: LoadedModel | None = None) -> SortedDraft:
+    """The sorted draft named by cfg.draft (exits from `profile`, see apply_exits), sharing the target's
+    embedding/head when its base is the target."""
     src = cfg.draft.source
+    base_source = draft_base_source(src)
+    base = base or _base_for(base_source, cfg, target)
     directory = draft_dir(src)
     if directory is None:
-        model_src, layers, exits = parse_cut(src)
-        base = base or _base_for(model_src, cfg, target)
-        draft = SortedDraft.cut(base.model, model_src, layers, exits or default_exits(layers))
+        _, layers, exits = parse_cut(src)
+        draft = SortedDraft.cut(base.model, base_source, layers, exits or default_exits(layers))
     else:
-        spec = json.loads((directory / "s2d_draft.json").read_text()) if (directory / "s2d_draft.json").exists() else {}
-        base = base or _base_for(spec.get("base_model", cfg.target.resolved_source), cfg, target)
         draft = SortedDraft.load(directory, base.model)
     check_same_vocabulary(base.tokenizer, target.tokenizer, f"draft {src}", f"target {cfg.target.name}")
-    return apply_exits(draft, cfg)
+    return apply_exits(draft, cfg, profile)
 
 
 def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedModel:
@@ -123,7 +136,7 @@ def effective_spec(cfg: EngineConfig, profile: dict | None) -> SpecConfig:
     return cfg.spec.model_copy(update=update) if update else cfg.spec
 
 
-def apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
+def apply_exits(draft: SortedDraft, cfg: EngineConfig, profile: dict | None) -> SortedDraft:
     """Mode exit:L, config overrides, then the per-target calibration profile decide exits and thresholds."""
     fixed = cfg.spec.fixed_exit
     if fixed is not None:
@@ -132,8 +145,7 @@ def apply_exits(draft: SortedDraft, cfg: EngineConfig) -> SortedDraft:
         return draft.with_exits([fixed], [0.0])
     exits = cfg.draft.exit_layers or draft.spec.exit_layers
     thresholds = cfg.draft.thresholds
-    profile = load_profile(cfg) if thresholds is None else None
-    if profile is not None and profile.get("exit_layers", exits) == exits:
+    if thresholds is None and profile is not None and profile.get("exit_layers", exits) == exits:
         thresholds = profile["thresholds"]
     if thresholds is None and exits == draft.spec.exit_layers:
         thresholds = draft.spec.thresholds
@@ -167,23 +179,30 @@ class Built:
     cfg: EngineConfig
 
 
+def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | None, profile: dict | None,
+                    max_context: int | None, detokenize: Callable[[list[int]], str] | None) -> SpecEngine:
+    """The one way an engine is made from its collaborators (in-process models, or the router's Ray clients): the
+    draft-length policy from the config and the profile, and a warning when the profile models S2D slower."""
+    spec = effective_spec(cfg, profile)
+    warn_if_modelled_slower(cfg, profile)
+    logger.info("engine: target=%s mode=%s policy=%s k=%d", cfg.target.name, cfg.spec.mode, spec.policy, spec.k)
+    return SpecEngine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize)
+
+
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
-    draft = None if cfg.spec.mode == "ar" else build_draft(cfg, target)
     profile = load_profile(cfg)
-    spec = effective_spec(cfg, profile)
-    warn_if_modelled_slower(cfg, profile)
+    draft = None if cfg.spec.mode == "ar" else build_draft(cfg, target, profile)
+    if draft is not None:
+        logger.info("draft %s: exits=%s thresholds=%s", cfg.draft.source, draft.spec.exit_layers,
+                    draft.spec.thresholds)
     tok = target.tokenizer
-    max_ctx = cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None)
-    engine = SpecEngine(
-        TargetVerifier(target.model),
+    engine = assemble_engine(
+        cfg, TargetVerifier(target.model),
         SortedDrafter(draft, cfg.draft.stop_confidence) if draft is not None else None,
-        policy=make_policy(spec),
-        max_context=max_ctx,
+        profile,
+        max_context=cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None),
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
     )
-    logger.info("engine: target=%s mode=%s draft=%s exits=%s thresholds=%s policy=%s k=%d", cfg.target.name,
-                cfg.spec.mode, cfg.draft.source if draft else None, draft.spec.exit_layers if draft else None,
-                draft.spec.thresholds if draft else None, spec.policy, spec.k)
     return Built(engine, target, draft, cfg)

@@ -27,3 +27,15 @@ class RequestError(S2DError, ValueError):
 
 class CapacityError(S2DError):
     """The server is at its configured limit (maps to HTTP 429)."""
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model this app does not serve (HTTP 404)."""
+
+
+class RequestTimeoutError(RequestError):
+    """The request ran past limits.request_timeout_s and was aborted (HTTP 504)."""
+
+
+class ServiceUnavailableError(S2DError):
+    """A target deployment (or its TP group) failed or timed out: HTTP 503, retry later."""

@@ -82,7 +82,7 @@ def _register_spec(bench) -> None:
 
 
 def run_spec(args: argparse.Namespace) -> int:
-    from ..build import build_draft, load_target, set_threads
+    from ..build import build_draft, load_profile, load_target, set_threads
     from .machine import load_average, machine_info
     from .methods import default_method_names, make_methods
     from .report import markdown_tables, write_outputs
@@ -106,7 +106,7 @@ def run_spec(args: argparse.Namespace) -> int:
     for name in args.target or [DEFAULT_TARGET]:
         cfg = engine_config(args, name)
         target = load_target(cfg)
-        names = args.methods or default_method_names(build_draft(cfg, target).spec.exit_layers)
+        names = args.methods or default_method_names(build_draft(cfg, target, load_profile(cfg)).spec.exit_layers)
         methods = make_methods(names, cfg, target)
         meta.setdefault("methods", {})[name] = [m.name for m in methods]
         records += run_target(name, target, methods, questions, run)

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..build import build_draft, build_engine
+from ..build import build_draft, build_engine, load_profile
 from ..config import EngineConfig, SpecConfig
 from ..core.draft import SortedDraft
 from ..core.engine import GenerationRequest
@@ -270,7 +270,7 @@ def make_methods(names: list[str], cfg: EngineConfig, target: LoadedModel) -> li
 
     def draft() -> SortedDraft:
         if not drafts:
-            drafts.append(build_draft(cfg, target))
+            drafts.append(build_draft(cfg, target, load_profile(cfg)))
         return drafts[0]
 
     methods: list[Method] = []

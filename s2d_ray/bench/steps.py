@@ -19,7 +19,7 @@ from statistics import median
 import torch
 from torch import nn
 
-from ..build import build_draft, load_target, set_threads
+from ..build import build_draft, load_profile, load_target, set_threads
 from ..config import EngineConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.target import TargetVerifier
@@ -205,7 +205,7 @@ def engine_overhead(cfg: EngineConfig, target: LoadedModel, prompts: list[list[i
 def run_all(cfg: EngineConfig, run: StepsRun) -> dict:
     set_threads(cfg.num_threads)
     target = load_target(cfg)
-    draft = build_draft(cfg, target)
+    draft = build_draft(cfg, target, load_profile(cfg))
     prompts = bench_prompts(target.tokenizer, run.questions, run.gen_prompts)
     ctx = context_ids(prompts, run.context)
     logger.info("steps at context %d, %d threads", len(ctx), torch.get_num_threads())

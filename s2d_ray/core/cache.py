@@ -92,9 +92,6 @@ class SlotKVCache:
             for t in store:
                 t[row].zero_()
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store)
-
 
 def slot_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask [n, 1, s, kv_len]: a token at position p sees slots 0..p of its own row."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -63,8 +63,8 @@ class SortedDraft(nn.Module):
                  vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         spec.validate()
-        if vocab_ids is not None:
-            spec.reduced_vocab = int(vocab_ids.numel())
+        if vocab_ids is not None:  # a copy: the caller's spec (maybe another draft's) stays as it was
+            spec = replace(spec, reduced_vocab=int(vocab_ids.numel()))
         self.spec = spec
         if layers is None:
             layers = nn.ModuleList(list(parts.layers)[: spec.num_layers])
@@ -91,13 +91,13 @@ class SortedDraft(nn.Module):
     def with_exits(self, exit_layers: list[int], thresholds: list[float] | None = None) -> "SortedDraft":
         """The same weights with other exits (e.g. `exit:L` baselines use a single exit)."""
         thresholds = thresholds if thresholds is not None else paper_thresholds(len(exit_layers))
-        spec = DraftSpec(self.spec.base_model, self.spec.num_layers, list(exit_layers), list(thresholds),
-                         self.spec.trained_norm_head, dict(self.spec.provenance))
+        spec = replace(self.spec, exit_layers=list(exit_layers), thresholds=list(thresholds),
+                       provenance=dict(self.spec.provenance))
         return SortedDraft(self.parts, spec, self.layers, self.vocab_ids)
 
     def with_vocab(self, vocab_ids: torch.Tensor | None) -> "SortedDraft":
         """The same draft proposing only from `vocab_ids` (sorted token ids), or from the full vocabulary."""
-        spec = DraftSpec(**{**asdict(self.spec), "reduced_vocab": None})
+        spec = replace(self.spec, reduced_vocab=None, provenance=dict(self.spec.provenance))
         ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long).sort().values
         return SortedDraft(self.parts, spec, self.layers, ids)
 

@@ -8,7 +8,7 @@ when all k are accepted a *bonus* token is drawn from p. Either way exactly one 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -106,6 +106,3 @@ def rejection_sample(
     residual = (p[n] - q[n]).clamp_min(0)
     total = residual.sum()
     return n, sample(residual / total if total > 0 else p[n], generator)
-
-
-VerifyFn = Callable[..., tuple[int, int]]

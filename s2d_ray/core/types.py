@@ -30,7 +30,6 @@ class DraftRequest:
     tokens: list[int]
     k: int
     params: SamplingParams = SamplingParams()
-    round_seed: int = 0  # derived from (request seed, position) so sampling is reproducible across replicas
 
 
 @dataclass

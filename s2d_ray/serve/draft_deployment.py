@@ -7,12 +7,12 @@ import logging
 
 from ray import serve
 
-from ..build import apply_exits, build_draft, load_target, set_threads
+from ..build import apply_exits, build_draft, draft_base_source, load_profile, load_target, set_threads
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.types import DraftRequest, Proposal
 from .app_config import AppConfig
-from .state import IdleSequences, ModelThread, draft_base_source, replica_device, split_like
+from .replica import IdleSequences, ModelThread, replica_device, split_like
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
     )
     base = load_target(ecfg)
     base.model.to(replica_device())
-    return build_draft(ecfg, base)
+    return build_draft(ecfg, base, load_profile(ecfg))
 
 
 def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedDrafter]:
@@ -38,7 +38,8 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedD
     by_settings: dict[tuple, SortedDrafter] = {}
     default = (tuple(draft.spec.exit_layers), tuple(draft.spec.thresholds))
     for t in cfg.targets:
-        tuned = apply_exits(draft, cfg.engine_config(t.name))  # without a profile: the draft's own settings
+        ecfg = cfg.engine_config(t.name)
+        tuned = apply_exits(draft, ecfg, load_profile(ecfg))  # without a profile: the draft's own settings
         key = (tuple(tuned.spec.exit_layers), tuple(tuned.spec.thresholds))
         if key != default:
             out[t.name] = by_settings.setdefault(key, SortedDrafter(tuned, cfg.draft.stop_confidence))

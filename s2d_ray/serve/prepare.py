@@ -16,14 +16,6 @@ from .openai_protocol import GenerateRequest
 MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily
 
 
-class ModelNotFoundError(RequestError):
-    """The request names a model this app does not serve (HTTP 404)."""
-
-
-class RequestTimeoutError(RequestError):
-    """The request ran past limits.request_timeout_s and was aborted (HTTP 504)."""
-
-
 @dataclass
 class ModelInfo:
     """What the router knows about a target: text <-> ids, its context, its end-of-sequence ids."""

@@ -23,9 +23,10 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..build import effective_spec, load_profile, make_policy, set_threads
-from ..core.engine import SpecEngine
-from ..errors import CapacityError, RequestError, S2DError
+from ..build import assemble_engine, draft_base_source, load_profile, set_threads
+from ..errors import (
+    CapacityError, ModelNotFoundError, RequestError, RequestTimeoutError, S2DError, ServiceUnavailableError,
+)
 from ..models import check_same_vocabulary
 from .app_config import AppConfig
 from .metrics import ServeMetrics
@@ -33,9 +34,9 @@ from .openai_protocol import (
     ChatCompletionRequest, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse, ResponseIds, Usage,
     error_body, full_response, stream_chunk,
 )
-from .prepare import ModelInfo, ModelNotFoundError, RequestTimeoutError, TextAssembler, to_generation
-from .scheduler import DraftClient, Event, ServiceUnavailableError, TargetClient, TargetScheduler
-from .state import draft_base_source, load_tokenizer, model_context
+from .prepare import ModelInfo, TextAssembler, to_generation
+from .scheduler import DraftClient, Event, TargetClient, TargetScheduler
+from .loaders import load_tokenizer, model_context
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +164,7 @@ class Router:
             draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
                                 on_fallback=fallback.inc)
         ecfg = cfg.engine_config(name)
-        spec = effective_spec(ecfg, load_profile(ecfg))  # `ar` has no profile: cfg.spec as it is
-        engine = SpecEngine(target, draft, policy=make_policy(spec), max_context=info.max_context,
-                            detokenize=info.detokenize)
+        engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
 
     # --- the Python handle API ------------------------------------------------------------------------------------

@@ -20,14 +20,10 @@ import torch
 
 from ..core.engine import GenerationRequest, SpecEngine
 from ..core.types import DraftRequest, Proposal, ScoreRequest
-from ..errors import CapacityError, RequestError, S2DError
+from ..errors import CapacityError, RequestError, S2DError, ServiceUnavailableError
 from .metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
-
-
-class ServiceUnavailableError(S2DError):
-    """A target deployment (or its TP group) failed or timed out: HTTP 503, retry later."""
 
 
 RELEASE_TIMEOUT_S = 30.0

@@ -12,7 +12,7 @@ from ..build import load_target, set_threads
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from .app_config import AppConfig
-from .state import IdleSequences, ModelThread, release_all, replica_device, split_like
+from .replica import IdleSequences, ModelThread, release_all, replica_device, split_like
 from .tp import TPGroup
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..errors import S2DError
 from .app_config import TargetSpec
-from .state import ModelThread, release_all
+from .replica import ModelThread, release_all
 
 logger = logging.getLogger(__name__)
 

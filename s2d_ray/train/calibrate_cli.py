@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..build import build_draft, load_target, set_threads
+from ..build import build_draft, load_profile, load_target, set_threads
 from ..commands.generate import add_engine_args, engine_config
 from .calibrate import measure_costs, search
 from .data import load_examples, pack
@@ -44,7 +44,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         rows = pick_rows(Path(args.data), args.num_prompts, 0, "heldout", {"gsm8k_train": args.gsm8k_fraction})
         generate_responses(cfg.target.resolved_source, rows, paths, args.max_new_tokens, threads=args.threads)
     target = load_target(cfg)
-    draft = build_draft(cfg, target)
+    draft = build_draft(cfg, target, load_profile(cfg))
     exits = draft.spec.exit_layers
     rows = pack(load_examples([paths], target.tokenizer, "heldout"), 1024)
     if not rows:

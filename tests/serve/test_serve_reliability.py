@@ -209,7 +209,7 @@ def test_only_configured_models_are_served(limits_app, tiny_family):
     sources that are not targets, cut drafts and near-misses get 404, and nothing new is started or loaded."""
     import ray
 
-    from s2d_ray.serve.prepare import ModelNotFoundError
+    from s2d_ray.errors import ModelNotFoundError
     from s2d_ray.serve.openai_protocol import GenerateRequest
 
     actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True))

@@ -144,6 +144,35 @@ def test_draft_save_load_roundtrip_keeps_exits_vocab_and_outputs(target, tmp_pat
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
 
 
+def test_with_exits_draft_save_load_roundtrip_keeps_spec_and_outputs(target, tmp_path):
+    """with_exits keeps every spec field (provenance, vocabulary) in place; the caller's spec is never mutated."""
+    from dataclasses import replace
+
+    from s2d_ray.core.draft import SortedDraft
+
+    base = noisy_draft(target)
+    base = SortedDraft(base.parts, replace(base.spec, provenance={"recipe": "soft", "steps": 7}), base.layers)
+    for draft in (base, base.with_vocab(torch.arange(10, 90))):
+        spec_before = replace(draft.spec)
+        tuned = draft.with_exits([1, 3], [0.3, 0.0])
+        assert draft.spec == spec_before
+        tuned.save(tmp_path / "d", dtype=torch.float64)
+        loaded = SortedDraft.load(tmp_path / "d", target)
+        assert loaded.spec == tuned.spec
+        assert loaded.spec.provenance == {"recipe": "soft", "steps": 7}
+        assert loaded.spec.reduced_vocab == (None if draft.vocab_ids is None else 80)
+        assert (loaded.spec.exit_layers, loaded.spec.thresholds) == ([1, 3], [0.3, 0.0])
+        prompts = random_prompts(3, seed=23)
+        a = run(SpecEngine(TargetVerifier(target), SortedDrafter(tuned), FixedK(3)), prompts, 16, True)
+        b = run(SpecEngine(TargetVerifier(target), SortedDrafter(loaded), FixedK(3)), prompts, 16, True)
+        assert [x.token_ids for x in a] == [y.token_ids for y in b]
+        assert [x.metrics["exit_histogram"] for x in a] == [y.metrics["exit_histogram"] for y in b]
+
+    spec = replace(base.spec)
+    SortedDraft(base.parts, spec, base.layers, torch.arange(10, 90))
+    assert spec.reduced_vocab is None  # the constructor copies the spec instead of writing into it
+
+
 def test_confidence_stop_drafts_fewer_tokens_and_stays_lossless(target):
     prompts = random_prompts(4, seed=19)
     ar = run(SpecEngine(TargetVerifier(target)), prompts, 32, batch=True)

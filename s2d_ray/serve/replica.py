@@ -1,19 +1,15 @@
-"""Small pieces the model deployments share: one model thread per replica, and idle-sequence bookkeeping."""
+"""Replica plumbing the model deployments share: one model thread per replica, idle-sequence bookkeeping, the
+replica's device, and cutting batched results back into per-call lists."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
-from ..build import draft_dir, parse_cut
-from ..models import canonical_source, resolve_model_dir
 
 
 class ModelThread:
@@ -71,28 +67,3 @@ def split_like(flat: list[Any], batches: list[list[Any]]) -> list[list[Any]]:
         out.append(flat[start : start + len(b)])
         start += len(b)
     return out
-
-
-def draft_base_source(source: str) -> str:
-    """The model whose embedding/norm/head (and tokenizer) a draft shares: from `cut:<model>:L` or s2d_draft.json."""
-    directory = draft_dir(source)
-    if directory is None:
-        return parse_cut(source)[0]
-    spec = json.loads((directory / "s2d_draft.json").read_text())
-    return spec["base_model"]
-
-
-def load_tokenizer(source: str, cache_dir: str | None, trust_remote_code: bool):
-    """A source's tokenizer without its weights (the router needs text <-> ids only)."""
-    from transformers import AutoTokenizer
-
-    path = resolve_model_dir(canonical_source(source), Path(cache_dir) if cache_dir else None)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-
-
-def model_context(source: str, cache_dir: str | None) -> int | None:
-    """max_position_embeddings from the model's config.json, if it has one."""
-    path = resolve_model_dir(canonical_source(source), Path(cache_dir) if cache_dir else None)
-    cfg = json.loads((path / "config.json").read_text())
-    value = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
-    return int(value) if value else None
