@@ -1,0 +1,315 @@
+"""TargetScheduler without Ray: the router's real clients over in-process tiny float64 models behind async handles.
+
+Admission and queueing, capacity, cancel and abort races with a round in flight, draft fallback, KV release on finish.
+The handles below have a Ray handle's shape (`handle.method.remote(...)` returns an awaitable) and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from core_fixtures import noisy_draft, random_prompts, tiny_target
+from s2d_ray.core.draft import SortedDrafter
+from s2d_ray.core.engine import GenerationRequest, SpecEngine
+from s2d_ray.core.policy import FixedK
+from s2d_ray.core.target import TargetVerifier
+from s2d_ray.errors import CapacityError, RequestError, ServiceUnavailableError
+from s2d_ray.serve.metrics import ServeMetrics
+from s2d_ray.serve.scheduler import DraftClient, TargetClient, TargetScheduler
+
+NEW_TOKENS = 12
+
+
+class LocalHandle:
+    """`handle.<method>.remote(*args)` -> an awaitable of `obj.<method>(*args)`; `gate` (when set) holds score calls."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+        self.gate: asyncio.Event | None = None
+        self.entered = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.obj, name)
+
+        async def call(*args):
+            if name == "score" and self.gate is not None:
+                self.entered.set()
+                await self.gate.wait()
+            return fn(*args)
+
+        return SimpleNamespace(remote=call)
+
+
+class DraftReplica:
+    """The draft deployment's call shape: propose(target, drafts); `fail` makes every propose raise."""
+
+    def __init__(self, drafter: SortedDrafter) -> None:
+        self.drafter, self.fail, self.calls = drafter, False, 0
+
+    def propose(self, target: str, drafts):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("draft replica died")
+        return self.drafter.propose(drafts)
+
+    def release(self, seq_id: str) -> None:
+        self.drafter.release(seq_id)
+
+
+class TargetReplica:
+    """The target deployment's call shape; records the sequence ids of every batch it scores."""
+
+    def __init__(self, verifier: TargetVerifier) -> None:
+        self.verifier, self.batches, self.fail = verifier, [], False
+
+    def score(self, requests):
+        self.batches.append([r.seq_id for r in requests])
+        if self.fail:
+            raise RuntimeError("target replica died")
+        return self.verifier.score(requests)
+
+    def release(self, seq_id: str) -> None:
+        self.verifier.release(seq_id)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=3)
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    """Target-only greedy continuations of the prompts every test uses (the lossless reference)."""
+    prompts = random_prompts(6, seed=5)
+    out = SpecEngine(TargetVerifier(target)).generate(
+        [GenerationRequest(f"r{i}", p, NEW_TOKENS) for i, p in enumerate(prompts)])
+    return prompts, [r.token_ids for r in out]
+
+
+class Setup:
+    def __init__(self, target, max_running: int, max_waiting: int, speculate: bool = True,
+                 max_context: int | None = None, retry_after_s: float = 60.0) -> None:
+        self.target_replica = TargetReplica(TargetVerifier(target))
+        self.draft_replica = DraftReplica(SortedDrafter(noisy_draft(target)))
+        self.target_handle = LocalHandle(self.target_replica)
+        self.fallbacks = 0
+        draft = None
+        if speculate:
+            draft = DraftClient(LocalHandle(self.draft_replica), "t", timeout_s=5.0, retry_after_s=retry_after_s,
+                                on_fallback=self._fallback)
+        verifier = TargetClient(self.target_handle, "t", timeout_s=5.0)
+        engine = SpecEngine(verifier, draft, policy=FixedK(3), max_context=max_context)
+        self.sched = TargetScheduler("t", engine, max_running, max_waiting, ServeMetrics())
+
+    def _fallback(self) -> None:
+        self.fallbacks += 1
+
+    def submit(self, seq_id: str, prompt: list[int], n: int = NEW_TOKENS) -> asyncio.Queue:
+        return self.sched.submit(GenerationRequest(seq_id, prompt, n))
+
+    async def settle(self) -> None:
+        """Let the loop reach its idle wait and the fire-and-forget releases run."""
+        for _ in range(50):
+            await asyncio.sleep(0)
+
+    @property
+    def num_active(self) -> tuple[int, int]:
+        return self.target_replica.verifier.num_active, self.draft_replica.drafter.num_active
+
+    def run(self, main):
+        """asyncio.run(main()), then stop the scheduler's loop task."""
+
+        async def wrapped():
+            try:
+                return await main()
+            finally:
+                if self.sched.task is not None:
+                    self.sched.task.cancel()
+
+        return asyncio.run(wrapped())
+
+
+async def collect(queue: asyncio.Queue) -> tuple[list[int], object]:
+    tokens = []
+    while True:
+        ev = await asyncio.wait_for(queue.get(), 10.0)
+        if ev.error is not None:
+            return tokens, ev
+        tokens += ev.tokens
+        if ev.finished:
+            return tokens, ev
+
+
+def test_the_scheduler_runs_without_ray():
+    import subprocess
+
+    code = "import sys, s2d_ray.serve.scheduler, s2d_ray.serve.metrics; sys.exit('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_admission_queues_beyond_max_running_and_every_output_is_the_targets(target, expected):
+    prompts, want = expected
+    s = Setup(target, max_running=2, max_waiting=8)
+
+    async def main():
+        queues = [s.submit(f"r{i}", p) for i, p in enumerate(prompts)]
+        assert s.sched.num_running == 0 and len(s.sched.waiting) == len(prompts)  # admitted between rounds only
+        results = await asyncio.gather(*(collect(q) for q in queues))
+        await s.settle()
+        return results
+
+    results = s.run(main)
+    for (tokens, last), ref in zip(results, want):
+        assert tokens == ref
+        assert last.finished and last.finish_reason == "length"
+        assert last.metrics["num_generated_tokens"] == NEW_TOKENS
+    assert max(len(b) for b in s.target_replica.batches) == 2  # never more than max_running in a round
+    assert sum(r[1].metrics["num_accepted_draft_tokens"] for r in results) > 0  # it did speculate
+    assert s.num_active == (0, 0)  # every finished sequence released its KV on both replicas
+    assert s.sched.num_running == 0 and not s.sched.waiting and not s.sched.queues
+
+
+def test_capacity_counts_running_and_waiting_and_frees_on_finish(target, expected):
+    prompts, want = expected
+    s = Setup(target, max_running=1, max_waiting=1)
+
+    async def main():
+        first, second = s.submit("a", prompts[0]), s.submit("b", prompts[1])
+        with pytest.raises(CapacityError, match="at capacity"):
+            s.submit("c", prompts[2])
+        a, b = await collect(first), await collect(second)
+        third = await collect(s.submit("c", prompts[2]))  # room again
+        return a, b, third
+
+    a, b, c = s.run(main)
+    assert [a[0], b[0], c[0]] == want[:3]
+
+
+def test_an_invalid_request_gets_an_error_event_and_the_others_run(target, expected):
+    prompts, want = expected
+    s = Setup(target, max_running=4, max_waiting=4, max_context=40)
+
+    async def main():
+        bad = s.submit("bad", list(range(3, 60)))  # longer than the context limit: refused at admission
+        good = s.submit("good", prompts[0])
+        return await collect(bad), await collect(good)
+
+    (bad_tokens, bad_ev), (good_tokens, _) = s.run(main)
+    assert bad_tokens == [] and isinstance(bad_ev.error, RequestError) and "context limit" in str(bad_ev.error)
+    assert good_tokens == want[0]
+
+
+def test_cancel_while_waiting_never_reaches_the_replicas(target, expected):
+    prompts, want = expected
+    s = Setup(target, max_running=1, max_waiting=4)
+
+    async def main():
+        first = s.submit("first", prompts[0])
+        s.submit("gone", prompts[1])
+        s.sched.cancel("gone")
+        result = await collect(first)
+        await s.settle()
+        return result
+
+    tokens, _ = s.run(main)
+    assert tokens == want[0]
+    assert all("gone" not in b for b in s.target_replica.batches)
+    assert s.draft_replica.drafter.num_active == 0 and s.num_active == (0, 0)
+
+
+def test_cancel_during_a_round_in_flight_aborts_before_the_next_and_frees_kv(target, expected):
+    """The race: the client goes away while a round that uses its sequence is in flight."""
+    prompts, want = expected
+    s = Setup(target, max_running=4, max_waiting=4)
+
+    async def main():
+        s.target_handle.gate = asyncio.Event()
+        stay, leave = s.submit("stay", prompts[0]), s.submit("leave", prompts[1])
+        await s.target_handle.entered.wait()  # round 1 is inside the target call, both sequences in it
+        s.sched.cancel("leave")
+        assert "leave" in s.sched.engine.seqs  # not aborted under the running round...
+        s.target_handle.gate.set()
+        s.target_handle.gate = None
+        result = await collect(stay)
+        await s.settle()
+        return result, leave
+
+    (tokens, _), leave = s.run(main)
+    assert tokens == want[0]
+    assert leave.empty()  # ...and nothing was delivered to the cancelled request
+    rounds_with_leave = [b for b in s.target_replica.batches if "leave" in b]
+    assert len(rounds_with_leave) == 1  # only the round that was already in flight
+    assert s.num_active == (0, 0)
+
+
+def test_a_listener_that_vanished_mid_stream_is_aborted_without_cancel(target, expected):
+    """An output for a sequence whose queue is gone (the consumer dropped it) aborts it before the next round."""
+    prompts, want = expected
+    s = Setup(target, max_running=4, max_waiting=4)
+
+    async def main():
+        s.submit("orphan", prompts[1], n=40)
+        stay = s.submit("stay", prompts[0])
+        await asyncio.wait_for(s.sched.queues["orphan"].get(), 10.0)  # one round done
+        del s.sched.queues["orphan"]  # the listener is gone without calling cancel
+        result = await collect(stay)
+        await s.settle()
+        return result
+
+    tokens, _ = s.run(main)
+    assert tokens == want[0]
+    assert "orphan" not in s.sched.engine.seqs
+    assert len([b for b in s.target_replica.batches if "orphan" in b]) <= 3
+    assert s.num_active == (0, 0)
+
+
+def test_draft_failure_falls_back_to_target_only_rounds_and_speculation_resumes(target, expected):
+    prompts, want = expected
+    s = Setup(target, max_running=4, max_waiting=4, retry_after_s=0.0)
+    s.draft_replica.fail = True
+
+    async def main():
+        first = await collect(s.submit("a", prompts[0]))
+        s.draft_replica.fail = False
+        second = await collect(s.submit("b", prompts[1]))
+        await s.settle()
+        return first, second
+
+    (a, a_last), (b, b_last) = s.run(main)
+    assert a == want[0] and b == want[1]  # lossless either way
+    assert s.fallbacks > 0 and a_last.metrics["num_draft_tokens"] == 0
+    assert b_last.metrics["num_draft_tokens"] > 0  # retry_after_s passed: the draft is used again
+    assert s.num_active == (0, 0)
+
+
+def test_a_target_failure_ends_every_live_request_with_503_and_frees_them(target, expected):
+    prompts, _ = expected
+    s = Setup(target, max_running=4, max_waiting=4)
+    s.target_replica.fail = True
+
+    async def main():
+        queues = [s.submit(f"r{i}", p) for i, p in enumerate(prompts[:3])]
+        results = await asyncio.gather(*(collect(q) for q in queues))
+        await s.settle()
+        return results
+
+    results = s.run(main)
+    for tokens, ev in results:
+        assert tokens == [] and isinstance(ev.error, ServiceUnavailableError)
+    assert s.sched.num_running == 0 and not s.sched.queues
+
+
+def test_ar_mode_scheduler_has_no_drafter(target, expected):
+    prompts, want = expected
+    s = Setup(target, max_running=2, max_waiting=4, speculate=False)
+
+    async def main():
+        return await asyncio.gather(*(collect(s.submit(f"r{i}", p)) for i, p in enumerate(prompts[:3])))
+
+    results = s.run(main)
+    assert [r[0] for r in results] == want[:3]
+    assert s.draft_replica.calls == 0
