@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-s2d"  # the committed sorted draft (s2d_ray/assets/drafts)
 MODE_PATTERN = re.compile(r"^(ar|s2d|exit:\d+)$")
+DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 
 class _Strict(BaseModel):
@@ -65,7 +66,7 @@ class SpecConfig(_Strict):
 class TargetConfig(_Strict):
     name: str = Field(DEFAULT_TARGET, description="The model name clients ask for (OpenAI `model`).")
     source: str | None = Field(None, description="Named source, HF directory or .gguf file; default: `name`.")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field("float32", description="Weights dtype.")
+    dtype: DType = Field("float32", description="Weights dtype.")
     max_context: int | None = Field(None, ge=8, description="Context limit in tokens; default: the model's.")
     calibration: str | None = Field(
         "auto", description="A per-target profile (JSON) from `s2d calibrate`; `auto`: the profile committed with the "

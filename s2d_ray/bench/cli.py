@@ -10,8 +10,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..commands.generate import spec_config
-from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DraftConfig, EngineConfig, TargetConfig
+from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
+from ..config import DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 
@@ -24,34 +24,6 @@ def register(sub) -> None:
     _register_serve(bench)
 
 
-def _engine_args(p: argparse.ArgumentParser, multi_target: bool) -> None:
-    if multi_target:
-        p.add_argument("--target", action="append", default=None,
-                       help=f"target (repeatable; one draft serves all); default {DEFAULT_TARGET}")
-    else:
-        p.add_argument("--target", default=DEFAULT_TARGET, help="target: named source, HF directory or .gguf")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
-    p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
-                   help="draft length policy (default: the target's calibration profile, else heuristic)")
-    p.add_argument("--k", type=int, default=None,
-                   help="fixed k, or the heuristic's starting k (default: the profile's, else 5)")
-    p.add_argument("--calibration", default="auto",
-                   help="per-target profile; auto: the one committed with the draft; off: the draft's own settings")
-    p.add_argument("--exits", type=_ints, default=None, help="override the draft's exits, e.g. 2,4,6")
-    p.add_argument("--thresholds", type=_floats, default=None, help="override thresholds, e.g. 0.5,0.5,0")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-
-
-def engine_config(args: argparse.Namespace, target: str) -> EngineConfig:
-    return EngineConfig(
-        target=TargetConfig(name=target, dtype=args.dtype, calibration=args.calibration),
-        draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds),
-        spec=spec_config(args, "s2d"),
-        num_threads=args.threads,
-    )
-
-
 def _default_out(kind: str) -> Path:
     return Path("bench_results") / f"{kind}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
@@ -59,13 +31,13 @@ def _default_out(kind: str) -> Path:
 # --- spec ------------------------------------------------------------------------------------------------------------
 def _register_spec(bench) -> None:
     p = bench.add_parser("spec", help="Spec-Bench: every method side by side on the same prompts")
-    _engine_args(p, multi_target=True)
+    add_engine_args(p, multi_target=True, mode=False)
     p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl "
                    "(default ../shared/data/spec_bench/question.jsonl)")
-    p.add_argument("--categories", type=_strs, default=None,
+    p.add_argument("--categories", type=NAMES, default=None,
                    help="comma list of tasks (mt_bench,translation,summarization,qa,math_reasoning,rag); default all")
     p.add_argument("--per-category", type=int, default=None, help="questions per category (default: all)")
-    p.add_argument("--methods", type=_strs, default=None, help="comma list; default: hf-generate,ar,hf-assisted,"
+    p.add_argument("--methods", type=NAMES, default=None, help="comma list; default: hf-generate,ar,hf-assisted,"
                    "hf-assisted:heuristic,hf-early-exit:<deepest>,hf-prompt-lookup,exit:<each exit>,s2d")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs checked for equality)")
@@ -104,7 +76,7 @@ def run_spec(args: argparse.Namespace) -> int:
     meta["machine"] = machine_info()
     records: list[dict] = []
     for name in args.target or [DEFAULT_TARGET]:
-        cfg = engine_config(args, name)
+        cfg = engine_config(args, name, "s2d")
         target = load_target(cfg)
         names = args.methods or default_method_names(build_draft(cfg, target, load_profile(cfg)).spec.exit_layers)
         methods = make_methods(names, cfg, target)
@@ -119,7 +91,7 @@ def run_spec(args: argparse.Namespace) -> int:
 # --- steps -----------------------------------------------------------------------------------------------------------
 def _register_steps(bench) -> None:
     p = bench.add_parser("steps", help="per-step costs: target step, draft exits, verify k, ar vs generate, overhead")
-    _engine_args(p, multi_target=False)
+    add_engine_args(p, mode=False)
     p.add_argument("--context", type=int, default=256, help="context length (tokens) the steps run at")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per measurement (median reported)")
     p.add_argument("--max-k", type=int, default=8, help="verify k = 1..max-k draft tokens")
@@ -135,7 +107,7 @@ def run_steps(args: argparse.Namespace) -> int:
 
     if min(args.context, args.repeats, args.max_k, args.gen_tokens, args.gen_prompts) < 1:
         raise ConfigError("--context, --repeats, --max-k, --gen-tokens and --gen-prompts must be >= 1")
-    cfg = engine_config(args, args.target)
+    cfg = engine_config(args, args.target, "s2d")
     result = run_all(cfg, StepsRun(args.context, args.repeats, args.max_k, args.gen_tokens, args.gen_prompts,
                                    args.questions))
     out = args.out or _default_out("steps")
@@ -152,7 +124,7 @@ def _register_serve(bench) -> None:
     p = bench.add_parser("serve", help="bounded streaming load against an OpenAI-compatible server")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (/v1/completions is appended)")
     p.add_argument("--model", default=DEFAULT_TARGET, help="the `model` field of each request")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16], help="levels, e.g. 1,2,4,8,16")
+    p.add_argument("--concurrency", type=INTS, default=[1, 2, 4, 8, 16], help="levels, e.g. 1,2,4,8,16")
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="time limit per level; then it stops")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
@@ -183,25 +155,3 @@ def run_serve(args: argparse.Namespace) -> int:
     plot_load(result, out / "serve.png")
     sys.stdout.write(text + f"\nwrote {out}/serve.json, serve.md, serve.png\n")
     return 1 if result["summary"] and all(lv["completed"] == 0 for lv in result["summary"]) else 0
-
-
-# --- argument types --------------------------------------------------------------------------------------------------
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _strs(text: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items

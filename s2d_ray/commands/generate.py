@@ -8,44 +8,11 @@ import sys
 from pathlib import Path
 
 from ..build import build_engine
-from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DraftConfig, EngineConfig, SamplingConfig, SpecConfig, TargetConfig
+from ..config import SamplingConfig
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
 from ..prompts import encode_prompt, read_prompt_file
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Arguments every engine-building command shares (generate, bench, calibrate)."""
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target: named source, HF directory or .gguf file")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
-    p.add_argument("--mode", default="s2d", help="s2d (adaptive exits) | ar (target only) | exit:<layer>")
-    p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
-                   help="draft length policy (default: the calibration profile's, else heuristic)")
-    p.add_argument("--k", type=int, default=None,
-                   help="fixed k, or the heuristic's starting k (default: the profile's, else 5)")
-    p.add_argument("--exits", type=_int_list, default=None, help="override exits, e.g. 2,4,6")
-    p.add_argument("--thresholds", type=_float_list, default=None, help="override thresholds, e.g. 0.5,0.5,0")
-    p.add_argument("--stop-confidence", type=float, default=0.0,
-                   help="stop drafting when the draft's probability of its token falls below this")
-    p.add_argument("--calibration", default="auto",
-                   help="per-target profile from `s2d calibrate`; auto: the draft's committed one; off: none")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        target=TargetConfig(name=args.target, dtype=args.dtype, calibration=args.calibration),
-        draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
-                          stop_confidence=args.stop_confidence),
-        spec=spec_config(args, args.mode),
-        num_threads=args.threads,
-    )
-
-
-def spec_config(args: argparse.Namespace, mode: str) -> SpecConfig:
-    """Only what the user gave is set, so a calibration profile can fill in the draft-length policy."""
-    return SpecConfig(mode=mode, **{f: getattr(args, f) for f in ("policy", "k") if getattr(args, f) is not None})
+from .engine_args import add_engine_args, engine_config
 
 
 def register(sub) -> None:
@@ -93,16 +60,3 @@ def run(args: argparse.Namespace) -> int:
                                  f"mean accepted {m['mean_acceptance_length']:.2f}, exits {m['exit_histogram']}]\n")
     return 0
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None

@@ -6,11 +6,11 @@ mistake is reported at `serve run` / `serve deploy` time, naming the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ..config import DEFAULT_TARGET, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..config import DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
 
 
 class _Strict(BaseModel):
@@ -104,7 +104,7 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
 class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
     """The ONE sorted draft every target shares (one tokenizer family), and how the router treats its failures."""
 
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field("float32", description="Draft weights dtype.")
+    dtype: DType = Field("float32", description="Draft weights dtype.")
     call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
     retry_after_s: float = Field(
         5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."

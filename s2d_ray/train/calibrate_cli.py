@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..build import build_draft, load_profile, load_target, set_threads
-from ..commands.generate import add_engine_args, engine_config
+from ..commands.engine_args import add_engine_args, engine_config
 from .calibrate import measure_costs, search
 from .data import load_examples, pack
 from .forward import SubVocab

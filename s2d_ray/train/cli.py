@@ -9,20 +9,12 @@ import shlex
 import sys
 from pathlib import Path
 
-
 from ..build import set_threads
+from ..commands.engine_args import FLOATS, INTS
 from ..config import DEFAULT_TARGET
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA = "/work/shared/data/train/instructions.jsonl"
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",")]
 
 
 def register(sub) -> None:
@@ -43,8 +35,8 @@ def _register_train(sub) -> None:
                    help="JSONL instruction rows / ShareGPT / self-distilled")
     p.add_argument("--sources", nargs="+", default=None, help="only rows whose `source` starts with one of these")
     p.add_argument("--layers", type=int, default=6, help="number of draft layers L")
-    p.add_argument("--exits", type=_ints, default=None, help="exit layers, e.g. 2,4,6 (default: thirds of L)")
-    p.add_argument("--exit-weights", type=_floats, default=None, help="loss weight per exit (default: equal)")
+    p.add_argument("--exits", type=INTS, default=None, help="exit layers, e.g. 2,4,6 (default: thirds of L)")
+    p.add_argument("--exit-weights", type=FLOATS, default=None, help="loss weight per exit (default: equal)")
     p.add_argument("--kd-target", nargs="*", default=[], help="targets whose logits the draft also distils")
     p.add_argument("--kd-weight", type=float, default=0.0, help="weight of the KD term (0..1)")
     p.add_argument("--kd-temperature", type=float, default=1.0)
