@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -10,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-s2d"  # the committed sorted draft (s2d_ray/assets/drafts)
 MODE_PATTERN = re.compile(r"^(ar|s2d|exit:\d+)$")
+# The shared data directory (train/, spec_bench/, gsm8k_test_dev/ ...): defaults name files below it, and what we
+# commit records paths relative to it, never this machine's absolute paths.
+DATA_DIR = Path(os.environ.get("S2D_DATA_DIR") or "/work/shared/data")
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ..build import build_draft, load_profile, load_target, set_threads
 from ..commands.engine_args import add_engine_args, engine_config
+from ..config import DATA_DIR
 from .calibrate import measure_costs, search
 from .data import load_examples, pack
 from .forward import SubVocab
@@ -24,13 +25,21 @@ def register_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure each exit's acceptance and cost for a target; write its profile")
     add_engine_args(p)
     p.add_argument("--out", required=True, help="profile JSON to write (pass it later as --calibration)")
-    p.add_argument("--data", default="/work/shared/data/train/instructions.jsonl",
+    p.add_argument("--data", default=str(DATA_DIR / "train" / "instructions.jsonl"),
                    help="calibration instructions: the held-out split of this file (never Spec-Bench)")
     p.add_argument("--paths", default=None, help="JSONL of the target's greedy responses (made if missing)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--gsm8k-fraction", type=float, default=0.25)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.set_defaults(func=run_calibrate)
+
+
+def data_relative(path: Path) -> str:
+    """A data file as a profile records it: relative to DATA_DIR (no machine's absolute path); outside it, its name."""
+    try:
+        return str(path.resolve().relative_to(DATA_DIR.resolve()))
+    except ValueError:
+        return str(path) if not path.is_absolute() else path.name
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -66,7 +75,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                "costs_ms": {"exit_token": [round(1e3 * c, 3) for c in costs.exit_token],
                             "extra_head": round(1e3 * costs.head, 3),
                             "verify": {str(n): round(1e3 * t, 3) for n, t in costs.verify.items()}},
-               "calibration_set": {"file": str(args.data), "split": "heldout", "paths": str(paths),
+               "calibration_set": {"file": data_relative(Path(args.data)), "split": "heldout", "paths": str(paths),
                                    "responses": len(preds), "tokens": sum(len(p.labels) for p in preds)},
                "top5": [{**r, "speedup": round(r["speedup"], 4), "mat": round(r["mat"], 4)} for r in ranked[:5]]}
     out.parent.mkdir(parents=True, exist_ok=True)

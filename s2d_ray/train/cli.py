@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..build import set_threads
 from ..commands.engine_args import FLOATS, INTS
-from ..config import DEFAULT_TARGET
+from ..config import DATA_DIR, DEFAULT_TARGET
 
 logger = logging.getLogger(__name__)
-DEFAULT_DATA = "/work/shared/data/train/instructions.jsonl"
+DEFAULT_DATA = str(DATA_DIR / "train" / "instructions.jsonl")
 
 
 def register(sub) -> None:
@@ -143,7 +143,7 @@ def _register_lora(sub) -> None:
     p.set_defaults(func=run_lora)
     e = sub.add_parser("eval-gsm8k", help="greedy GSM8K accuracy of a target (decoded by the engine, ar mode)")
     e.add_argument("--target", default=DEFAULT_TARGET)
-    e.add_argument("--test", default="/work/shared/data/gsm8k_test_dev/test_dev.jsonl")
+    e.add_argument("--test", default=str(DATA_DIR / "gsm8k_test_dev" / "test_dev.jsonl"))
     e.add_argument("--num", type=int, default=50, help="first N problems")
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--batch-size", type=int, default=16)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..config import DATA_DIR
 from ..core.draft import SortedDraft, default_exits, paper_thresholds
 from ..models import load_model
 from .data import Packed, batches, data_hash, load_examples, pack
@@ -38,7 +39,7 @@ class SoftConfig:
 
     target: str = "smollm2-135m-instruct"
     out: str = "runs/draft"
-    data: list[str] = field(default_factory=lambda: ["/work/shared/data/train/instructions.jsonl"])
+    data: list[str] = field(default_factory=lambda: [str(DATA_DIR / "train" / "instructions.jsonl")])
     sources: list[str] | None = None
     num_layers: int = 6
     exit_layers: list[int] | None = None

@@ -103,3 +103,23 @@ def test_no_profile_means_the_drafts_own_settings_and_a_missing_path_is_an_error
     assert _built(tiny_llama_dir, directory) == ([0.5, 0.0], HeuristicK(start=5, max_k=16))
     with pytest.raises(ConfigError, match="does not exist"):
         _built(tiny_llama_dir, directory, calibration=str(tmp_path / "nope.json"))
+
+
+def test_profiles_record_data_files_relative_to_the_data_directory(tmp_path, monkeypatch):
+    """Committed profiles name no machine's paths; the calibrate command writes them that way."""
+    import json
+    from pathlib import Path
+
+    import s2d_ray.train.calibrate_cli as calibrate_cli
+    from s2d_ray.build import COMMITTED_DRAFTS
+
+    profiles = sorted(COMMITTED_DRAFTS.glob("*/calibration/*.json"))
+    assert profiles
+    for path in profiles:
+        calibration_set = json.loads(path.read_text())["calibration_set"]
+        assert not Path(calibration_set["file"]).is_absolute(), path
+        assert not Path(calibration_set["paths"]).is_absolute(), path
+    monkeypatch.setattr(calibrate_cli, "DATA_DIR", tmp_path / "data")
+    assert calibrate_cli.data_relative(tmp_path / "data" / "train" / "x.jsonl") == "train/x.jsonl"
+    assert calibrate_cli.data_relative(tmp_path / "elsewhere" / "y.jsonl") == "y.jsonl"
+    assert calibrate_cli.data_relative(Path("rel/z.jsonl")) == "rel/z.jsonl"
