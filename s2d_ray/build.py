@@ -16,6 +16,7 @@ from .core.draft import DRAFT_CONFIG, Drafter, SortedDraft, SortedDrafter, defau
 from .core.engine import SpecEngine
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
 from .core.target import TargetVerifier, Verifier
+from .dtypes import resolve_dtype
 from .errors import ConfigError, ModelLoadError
 from .models import LoadedModel, check_same_vocabulary, load_model
 
@@ -31,9 +32,17 @@ def set_threads(num_threads: int | None) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
+def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:
+    """cfg with `dtype: auto` replaced by what it means on `device` (so logs, profiles and Built.cfg name it)."""
+    dtype = resolve_dtype(cfg.target.dtype, device)
+    if dtype == cfg.target.dtype:
+        return cfg
+    return cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": dtype})})
+
+
 def load_target(cfg: EngineConfig) -> LoadedModel:
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    return load_model(cfg.target.resolved_source, dtype=DTYPES[cfg.target.dtype], cache_dir=cache,
+    return load_model(cfg.target.resolved_source, dtype=DTYPES[resolve_dtype(cfg.target.dtype)], cache_dir=cache,
                       trust_remote_code=cfg.trust_remote_code)
 
 
@@ -91,7 +100,7 @@ def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedMode
     if source in (cfg.target.resolved_source, target.source):
         return target
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    return load_model(source, dtype=DTYPES[cfg.target.dtype], cache_dir=cache,
+    return load_model(source, dtype=DTYPES[resolve_dtype(cfg.target.dtype)], cache_dir=cache,
                       trust_remote_code=cfg.trust_remote_code)
 
 
@@ -110,7 +119,7 @@ def calibration_path(cfg: EngineConfig) -> Path | None:
         return None
     # Costs (hence the best draft length) depend on the dtype: a profile for this dtype first, then the generic one.
     name = Path(cfg.target.resolved_source).name
-    for file in (f"{name}.{cfg.target.dtype}.json", f"{name}.json"):
+    for file in (f"{name}.{resolve_dtype(cfg.target.dtype)}.json", f"{name}.json"):
         path = directory / "calibration" / file
         if path.is_file():
             return path
@@ -190,6 +199,7 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
+    cfg = with_resolved_dtype(cfg)
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     profile = load_profile(cfg)

@@ -15,7 +15,7 @@ MODE_PATTERN = re.compile(r"^(ar|s2d|exit:\d+)$")
 # The shared data directory (train/, spec_bench/, gsm8k_test_dev/ ...): defaults name files below it, and what we
 # commit records paths relative to it, never this machine's absolute paths.
 DATA_DIR = Path(os.environ.get("S2D_DATA_DIR") or "/work/shared/data")
-DType = Literal["float32", "bfloat16", "float16", "float64"]
+DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 
 
 class _Strict(BaseModel):
@@ -71,7 +71,10 @@ class SpecConfig(_Strict):
 class TargetConfig(_Strict):
     name: str = Field(DEFAULT_TARGET, description="The model name clients ask for (OpenAI `model`).")
     source: str | None = Field(None, description="Named source, HF directory or .gguf file; default: `name`.")
-    dtype: DType = Field("float32", description="Weights dtype.")
+    dtype: DType = Field(
+        "auto", description="Weights dtype; `auto`: bfloat16 where it is the fast path (a CPU with AVX512-BF16 or AMX, "
+        "a CUDA GPU with bf16), float32 elsewhere. The calibration profile is the one for the dtype used."
+    )
     max_context: int | None = Field(None, ge=8, description="Context limit in tokens; default: the model's.")
     calibration: str | None = Field(
         "auto", description="A per-target profile (JSON) from `s2d calibrate`; `auto`: the profile committed with the "

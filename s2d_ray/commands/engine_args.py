@@ -7,6 +7,7 @@ import argparse
 from typing import Callable, TypeVar, get_args
 
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..dtypes import resolve_dtype
 
 T = TypeVar("T")
 
@@ -52,14 +53,16 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
                    help="stop drafting when the draft's probability of its token falls below this")
     p.add_argument("--calibration", default="auto",
                    help="per-target profile from `s2d calibrate`; auto: the draft's committed one; off: none")
-    p.add_argument("--dtype", default="float32", choices=get_args(DType), help="weights dtype")
+    p.add_argument("--dtype", default="auto", choices=get_args(DType),
+                   help="weights dtype; auto (default): bfloat16 where it is the fast path (CPU with AVX512-BF16 or "
+                   "AMX), float32 elsewhere; the calibration profile is the one for the dtype used")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
 def engine_config(args: argparse.Namespace, target: str | None = None, mode: str | None = None) -> EngineConfig:
     """The EngineConfig the flags describe (for `target` and `mode` when given: bench runs several)."""
     return EngineConfig(
-        target=TargetConfig(name=target or args.target, dtype=args.dtype, calibration=args.calibration),
+        target=TargetConfig(name=target or args.target, dtype=resolve_dtype(args.dtype), calibration=args.calibration),
         draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
                           stop_confidence=args.stop_confidence),
         spec=spec_config(args, mode or args.mode),

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..config import DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..dtypes import resolve_dtype
 
 
 class _Strict(BaseModel):
@@ -39,6 +40,11 @@ class DeploymentOptions(_Strict):
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("give either num_replicas or autoscaling_config, not both")
         return self
+
+    @property
+    def device(self) -> str:
+        """Where the replica's model runs: "cuda" when it reserves GPUs (what `dtype: auto` is resolved for)."""
+        return "cuda" if self.num_gpus > 0 else "cpu"
 
     def actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -91,6 +97,10 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
             raise ValueError(f"target {self.name}: DeepSpeed AutoTP does not support float64; use float32 or bfloat16")
         return self
 
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 or (self.tp_size > 1 and self.tp_worker_gpus > 0) else "cpu"
+
     def placement(self) -> dict[str, Any]:
         """Placement group options for a TP replica: bundle 0 is the replica, bundles 1..N its ranks (one node)."""
         if self.tp_size == 1:
@@ -104,7 +114,7 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
 class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
     """The ONE sorted draft every target shares (one tokenizer family), and how the router treats its failures."""
 
-    dtype: DType = Field("float32", description="Draft weights dtype.")
+    dtype: DType = Field("auto", description="Draft weights dtype; `auto` as for targets (resolved for this replica).")
     call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
     retry_after_s: float = Field(
         5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
@@ -171,8 +181,8 @@ class AppConfig(_Strict):
         """The core EngineConfig of one target (the same object the CLI and benchmarks build from)."""
         t = self.target(name)
         return EngineConfig(
-            target=TargetConfig(name=t.name, source=t.source, dtype=t.dtype, max_context=t.max_context,
-                                calibration=t.calibration),
+            target=TargetConfig(name=t.name, source=t.source, dtype=resolve_dtype(t.dtype, t.device),
+                                max_context=t.max_context, calibration=t.calibration),
             draft=DraftConfig(source=self.draft.source, exit_layers=self.draft.exit_layers,
                               thresholds=self.draft.thresholds, stop_confidence=self.draft.stop_confidence),
             spec=self.spec, cache_dir=self.cache_dir, trust_remote_code=self.trust_remote_code,

@@ -11,6 +11,7 @@ from ..build import apply_exits, build_draft, draft_base_source, load_profile, l
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.types import DraftRequest, Proposal
+from ..dtypes import resolve_dtype
 from .app_config import AppConfig
 from .replica import IdleSequences, ModelThread, replica_device, split_like
 
@@ -21,7 +22,7 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
     """Load the draft's base model and the draft on top of it (exits/thresholds from cfg.draft and cfg.spec)."""
     base_source = draft_base_source(cfg.draft.source)
     ecfg = EngineConfig(
-        target=TargetConfig(name=base_source, dtype=cfg.draft.dtype),
+        target=TargetConfig(name=base_source, dtype=resolve_dtype(cfg.draft.dtype, cfg.draft.device)),
         draft=DraftConfig(source=cfg.draft.source, exit_layers=cfg.draft.exit_layers,
                           thresholds=cfg.draft.thresholds, stop_confidence=cfg.draft.stop_confidence),
         spec=cfg.spec, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code,

@@ -89,7 +89,10 @@ def test_committed_profile_sets_thresholds_and_draft_length_unless_the_user_did(
     assert _built(tiny_llama_dir, directory, policy="heuristic")[1] == HeuristicK(start=3, max_k=16)
     assert _built(tiny_llama_dir, directory, calibration="off") == ([0.5, 0.0], HeuristicK(start=5, max_k=16))
     # A profile measured in this dtype is preferred over the generic one.
-    (directory / "calibration" / f"{tiny_llama_dir.name}.float32.json").write_text(json.dumps({**profile, "k": 2}))
+    from s2d_ray.dtypes import resolve_dtype
+
+    dtype = resolve_dtype("auto")  # what the default dtype means on this machine
+    (directory / "calibration" / f"{tiny_llama_dir.name}.{dtype}.json").write_text(json.dumps({**profile, "k": 2}))
     assert _built(tiny_llama_dir, directory)[1] == FixedK(2)
     # A profile for other exits does not apply its thresholds.
     other = _draft_with_profile(tiny_llama_dir, tmp_path / "o", {**profile, "exit_layers": [2]})
