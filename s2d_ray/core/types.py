@@ -28,22 +28,32 @@ class DraftRequest:
 
     seq_id: str
     tokens: list[int]
-    k: int
+    k: int  # draft depth (the spine of a tree)
     params: SamplingParams = SamplingParams()
-    round_seed: int = 0  # derived from (request seed, position) so sampling is reproducible across replicas
+    tree: bool = False  # propose a token tree: deterministic top-1 spine of depth k plus siblings
+    width: int = 1  # tree only: candidates per depth, the draft's top-`width` tokens (spine + width - 1 siblings)
 
 
 @dataclass
 class Proposal:
-    """Draft tokens for one sequence. `q` is None for greedy drafting (a one-hot q)."""
+    """Draft tokens for one sequence: a chain (parents None) or a token tree (see core/tree.py).
 
-    tokens: list[int]  # [k']  k' <= k (confidence stop may end early)
-    q: torch.Tensor | None  # [k', V] draft probabilities the tokens were sampled from
-    exits: list[int]  # [k'] exit layer each token left the draft at
+    `q` is None for deterministic candidates (greedy drafting, tree nodes, lookup): a point mass on each token.
+    """
+
+    tokens: list[int]  # [k']  k' <= k (confidence stop may end early); tree nodes in topological order
+    q: torch.Tensor | None  # [k', V] draft probabilities the tokens were sampled from (chains only)
+    exits: list[int]  # [k'] exit layer each token left the draft at (0: a lookup candidate)
+    parents: list[int] | None = None  # tree: parent node index of each node, -1 = the last committed token
+    scores: list[float] | None = None  # tree: draft probability of the path to each node (ranking for budgets)
 
     @staticmethod
     def empty() -> "Proposal":
         return Proposal(tokens=[], q=None, exits=[])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,9 @@ class ScoreRequest:
     seq_id: str
     tokens: list[int]
     num_logits: int
+    # A token tree: the last len(parents) tokens are tree nodes (parent index, -1 = the token before them), verified
+    # with tree attention (each node sees the prefix and its ancestors); num_logits must be len(parents) + 1.
+    parents: list[int] | None = None
 
 
 @dataclass
