@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from ..commands.generate import spec_config
+from ..commands.generate import add_spec_args, spec_config
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DraftConfig, EngineConfig, TargetConfig
 from ..core.types import SamplingParams
 from ..errors import ConfigError
@@ -31,10 +31,7 @@ def _engine_args(p: argparse.ArgumentParser, multi_target: bool) -> None:
     else:
         p.add_argument("--target", default=DEFAULT_TARGET, help="target: named source, HF directory or .gguf")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
-    p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
-                   help="draft length policy (default: the target's calibration profile, else heuristic)")
-    p.add_argument("--k", type=int, default=None,
-                   help="fixed k, or the heuristic's starting k (default: the profile's, else 5)")
+    add_spec_args(p)
     p.add_argument("--calibration", default="auto",
                    help="per-target profile; auto: the one committed with the draft; off: the draft's own settings")
     p.add_argument("--exits", type=_ints, default=None, help="override the draft's exits, e.g. 2,4,6")

@@ -72,10 +72,10 @@ class ScoreRequest:
 class RoundResult:
     """What one verification round did for one sequence."""
 
-    n_drafted: int
-    n_accepted: int  # accepted draft tokens, bonus excluded
+    n_drafted: int  # draft tokens (chain) or tree nodes verified
+    n_accepted: int  # accepted draft tokens (the accepted path's length), bonus excluded
     new_tokens: list[int]  # accepted draft tokens + the target's own next token (before stop truncation)
-    exits: list[int]
+    exits: list[int]  # per drafted token/node, the accepted path's first (0: lookup)
 
 
 @dataclass
@@ -89,7 +89,8 @@ class SequenceMetrics:
     num_generated_tokens: int = 0
     acceptance_histogram: dict[int, int] = field(default_factory=dict)  # n_accepted -> rounds
     exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer -> draft tokens proposed there
-    accepted_exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer -> accepted draft tokens
+    accepted_exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer (0: lookup) -> accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # depth - 1 -> accepted tokens (vLLM)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -105,6 +106,10 @@ class SequenceMetrics:
         self.num_accepted_draft_tokens += result.n_accepted
         h = self.acceptance_histogram
         h[result.n_accepted] = h.get(result.n_accepted, 0) + 1
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (result.n_accepted - len(per_pos)))
+        for i in range(result.n_accepted):
+            per_pos[i] += 1
         for i, layer in enumerate(result.exits):
             self.exit_histogram[layer] = self.exit_histogram.get(layer, 0) + 1
             if i < result.n_accepted:
@@ -132,6 +137,7 @@ class SequenceMetrics:
             "acceptance_histogram": {str(k): v for k, v in sorted(self.acceptance_histogram.items())},
             "exit_histogram": {str(k): v for k, v in sorted(self.exit_histogram.items())},
             "accepted_exit_histogram": {str(k): v for k, v in sorted(self.accepted_exit_histogram.items())},
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "tokens_per_second": self.num_generated_tokens / self.total_seconds if self.total_seconds else 0.0,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

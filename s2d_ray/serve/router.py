@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..build import effective_spec, load_profile, make_policy, set_threads
+from ..build import effective_spec, load_profile, make_policy, make_speculation, set_threads
 from ..core.engine import SpecEngine
 from ..errors import CapacityError, RequestError, S2DError
 from ..models import check_same_vocabulary
@@ -163,9 +163,11 @@ class Router:
             draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
                                 on_fallback=fallback.inc)
         ecfg = cfg.engine_config(name)
-        spec = effective_spec(ecfg, load_profile(ecfg))  # `ar` has no profile: cfg.spec as it is
-        engine = SpecEngine(target, draft, policy=make_policy(spec), max_context=info.max_context,
-                            detokenize=info.detokenize)
+        profile = load_profile(ecfg)  # `ar` has no profile: cfg.spec as it is
+        spec = effective_spec(ecfg, profile)
+        drafter, budget = make_speculation(spec, draft, profile)  # trees/lookup run here, the draft model remotely
+        engine = SpecEngine(target, drafter, policy=make_policy(spec), max_context=info.max_context,
+                            detokenize=info.detokenize, budget=budget)
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
 
     # --- the Python handle API ------------------------------------------------------------------------------------
