@@ -7,13 +7,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .config import EngineConfig, SpecConfig
+from .core.budget import SpeculationBudget, TreeShape
+from .core.costs import CostModel
 from .core.draft import DRAFT_CONFIG, Drafter, SortedDraft, SortedDrafter, default_exits
 from .core.engine import SpecEngine
+from .core.lookup import PromptLookup, TreeDrafter
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
 from .core.target import TargetVerifier, Verifier
 from .dtypes import resolve_dtype
@@ -24,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).parent / "assets"
 COMMITTED_DRAFTS = ASSETS / "drafts"
+# Speculation settings a calibration profile may set (explicit config wins).
+PROFILE_SPEC_FIELDS = ("policy", "k", "width", "lookup", "max_nodes")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -141,7 +146,7 @@ def effective_spec(cfg: EngineConfig, profile: dict | None) -> SpecConfig:
     if profile is None or cfg.spec.fixed_exit is not None:
         return cfg.spec
     given = cfg.spec.model_fields_set
-    update = {f: profile[f] for f in ("policy", "k") if f in profile and f not in given}
+    update = {f: profile[f] for f in PROFILE_SPEC_FIELDS if f in profile and f not in given}
     return cfg.spec.model_copy(update=update) if update else cfg.spec
 
 
@@ -166,7 +171,23 @@ def apply_exits(draft: SortedDraft, cfg: EngineConfig, profile: dict | None) -> 
 
 
 def make_policy(spec: SpecConfig) -> DraftLengthPolicy:
-    return FixedK(spec.k) if spec.policy == "fixed" else HeuristicK(start=spec.k, max_k=spec.max_k)
+    return HeuristicK(start=spec.k, max_k=spec.max_k) if spec.policy == "heuristic" else FixedK(spec.k)
+
+
+def make_speculation(spec: SpecConfig, drafter: Any | None, profile: dict | None) -> tuple[Any | None, SpeculationBudget | None]:
+    """Wrap the draft model's drafter (in-process or a Ray handle client) for trees and lookup, and size rounds from
+    the profile's measured costs when the policy is `auto`. Plain chains with a k policy come back unchanged."""
+    costs = CostModel.from_profile(profile) if spec.policy == "auto" and profile else None
+    if spec.policy == "auto" and costs is None:
+        logger.warning("policy auto needs a calibration profile with costs; using a fixed k=%d", spec.k)
+    if spec.mode == "ar" or (not spec.trees and costs is None):
+        return drafter, None
+    lookup = spec.lookup or spec.mode == "lookup"
+    shape = TreeShape(width=spec.width if spec.uses_draft_model else 1, lookup=lookup, max_nodes=spec.max_nodes)
+    if spec.trees:
+        finder = PromptLookup(spec.lookup_ngram, spec.lookup_tokens) if lookup else None
+        drafter = TreeDrafter(drafter if spec.uses_draft_model else None, finder, spec.lookup_alone)
+    return drafter, SpeculationBudget(shape, costs, spec.max_k)
 
 
 def warn_if_modelled_slower(cfg: EngineConfig, profile: dict | None) -> None:
@@ -194,8 +215,11 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
     draft-length policy from the config and the profile, and a warning when the profile models S2D slower."""
     spec = effective_spec(cfg, profile)
     warn_if_modelled_slower(cfg, profile)
-    logger.info("engine: target=%s mode=%s policy=%s k=%d", cfg.target.name, cfg.spec.mode, spec.policy, spec.k)
-    return SpecEngine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize)
+    drafter, budget = make_speculation(spec, drafter, profile)
+    logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s", cfg.target.name, cfg.spec.mode,
+                spec.policy, spec.k, spec.width, spec.lookup)
+    return SpecEngine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
+                      budget=budget)
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
@@ -203,7 +227,7 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     profile = load_profile(cfg)
-    draft = None if cfg.spec.mode == "ar" else build_draft(cfg, target, profile)
+    draft = build_draft(cfg, target, profile) if cfg.spec.uses_draft_model else None
     if draft is not None:
         logger.info("draft %s: exits=%s thresholds=%s", cfg.draft.source, draft.spec.exit_layers,
                     draft.spec.thresholds)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-s2d"  # the committed sorted draft (s2d_ray/assets/drafts)
-MODE_PATTERN = re.compile(r"^(ar|s2d|exit:\d+)$")
+MODE_PATTERN = re.compile(r"^(ar|s2d|lookup|exit:\d+)$")
 # The shared data directory (train/, spec_bench/, gsm8k_test_dev/ ...): defaults name files below it, and what we
 # commit records paths relative to it, never this machine's absolute paths.
 DATA_DIR = Path(os.environ.get("S2D_DATA_DIR") or "/work/shared/data")
@@ -49,18 +49,39 @@ class DraftConfig(_Strict):
 
 
 class SpecConfig(_Strict):
-    mode: str = Field("s2d", description="`s2d` (adaptive exits), `exit:<layer>` (one fixed exit) or `ar` (no draft).")
-    policy: Literal["heuristic", "fixed"] = Field(
-        "heuristic", description="Draft length: `heuristic` (+2 if all accepted, else -1) or `fixed` k."
+    mode: str = Field("s2d", description="`s2d` (adaptive exits), `exit:<layer>` (one fixed exit), `lookup` (prompt "
+                      "lookup alone, no draft model) or `ar` (plain decoding).")
+    policy: Literal["heuristic", "fixed", "auto"] = Field(
+        "heuristic", description="Draft length: `heuristic` (+2 if all accepted, else -1), `fixed` k, or `auto`: "
+        "every round, the depth and tree size that maximise modelled tokens/s for the whole batch from the "
+        "calibrated cost model (speculation shrinks as load grows, down to plain decoding). `auto` needs a "
+        "calibration profile with costs; without one it acts as `fixed`."
     )
-    k: int = Field(5, ge=1, le=32, description="Fixed k, or the heuristic's starting k.")
-    max_k: int = Field(16, ge=1, le=64, description="Upper bound for the heuristic policy.")
+    k: int = Field(5, ge=1, le=32, description="Fixed k, or the heuristic's starting k (the tree's spine depth).")
+    max_k: int = Field(16, ge=1, le=64, description="Upper bound for the heuristic and auto policies.")
+    width: int = Field(1, ge=1, le=16, description="Token tree: the draft's top-`width` tokens at every depth (the "
+                       "first continues the spine, the rest are sibling leaves); 1 = a chain.")
+    lookup: bool = Field(False, description="Add prompt-lookup candidates (n-gram matches in prompt + output) to the "
+                         "tree; they cost no forward.")
+    lookup_ngram: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup matches.")
+    lookup_tokens: int = Field(10, ge=1, le=64, description="Most tokens lookup proposes per round.")
+    lookup_alone: int = Field(4, ge=1, le=64, description="A lookup match of at least this many tokens is proposed "
+                              "alone, without running the draft model that round.")
+    max_nodes: int = Field(24, ge=1, le=128, description="Most tree nodes verified per sequence and round.")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.mode not in ("ar", "lookup")
+
+    @property
+    def trees(self) -> bool:
+        return self.width > 1 or self.lookup or self.mode == "lookup"
 
     @field_validator("mode")
     @classmethod
     def _mode(cls, v: str) -> str:
         if not MODE_PATTERN.match(v):
-            raise ValueError(f"mode must be `s2d`, `ar` or `exit:<layer>`, got {v!r}")
+            raise ValueError(f"mode must be `s2d`, `ar`, `lookup` or `exit:<layer>`, got {v!r}")
         return v
 
     @property

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..build import build_draft, build_engine, load_profile
+from ..build import DTYPES, build_draft, build_engine, load_profile
 from ..config import EngineConfig, SpecConfig
 from ..core.draft import SortedDraft
 from ..core.engine import GenerationRequest
@@ -255,7 +255,28 @@ def with_mode(cfg: EngineConfig, mode: str) -> EngineConfig:
 
 
 # --- construction from names ---------------------------------------------------------------------------------------
-ENGINE_PREFIXES = ("ar", "s2d", "exit:")
+ENGINE_PREFIXES = ("ar", "s2d", "exit:", "lookup")
+
+
+def parse_shape(shape: str) -> dict:
+    """`s2d:<shape>` rows force speculation settings over the profile's, `+`-joined: `chain` (width 1, no lookup),
+    `tree` / `tree<W>` (width 4 / W), `lookup`, `nolookup`, `auto` / `fixed` / `heuristic` (policy), `k<N>`, `n<N>`
+    (max nodes)."""
+    out: dict = {}
+    for part in shape.split("+"):
+        if part == "chain":
+            out.update(width=1, lookup=False)
+        elif part.startswith("tree"):
+            out["width"] = int(part[4:] or 4)
+        elif part in ("lookup", "nolookup"):
+            out["lookup"] = part == "lookup"
+        elif part in ("auto", "fixed", "heuristic"):
+            out["policy"] = part
+        elif part[:1] in ("k", "n") and part[1:].isdigit():
+            out["k" if part[0] == "k" else "max_nodes"] = int(part[1:])
+        else:
+            raise ConfigError(f"unknown shape part {part!r} in s2d:{shape}")
+    return out
 
 
 def default_method_names(exit_layers: list[int]) -> list[str]:
@@ -286,9 +307,19 @@ def make_methods(names: list[str], cfg: EngineConfig, target: LoadedModel) -> li
             methods.append(HFEarlyExit(target.model, eos, int(arg) if arg else draft().spec.exit_layers[-1]))
         elif name == "hf-prompt-lookup":
             methods.append(HFPromptLookup(target.model, eos))
-        elif name in ("ar", "s2d") or head == "exit":
+        elif head == "hf-generate" and arg in DTYPES:
+            other = HFGenerate(copy.deepcopy(target.model).to(DTYPES[arg]), eos)
+            other.name = name
+            methods.append(other)
+        elif name in ("ar", "s2d", "lookup") or head == "exit":
             methods.append(EngineMethod(with_mode(cfg, name), target, eos))
+        elif head == "s2d" and arg:
+            spec = cfg.spec.model_copy(update={"mode": "s2d", **parse_shape(arg)})
+            method = EngineMethod(cfg.model_copy(update={"spec": spec}), target, eos)
+            method.name = name
+            methods.append(method)
         else:
-            raise ConfigError(f"unknown method {name!r}; known: hf-generate, ar, s2d, exit:<L>, hf-assisted[:heuristic], "
+            raise ConfigError(f"unknown method {name!r}; known: hf-generate[:<dtype>], ar, s2d, s2d:<shape> (e.g. "
+                              "s2d:tree4+lookup+auto+k2+n12, s2d:chain), lookup, exit:<L>, hf-assisted[:heuristic], "
                               "hf-early-exit[:<L>], hf-prompt-lookup")
     return methods

@@ -42,11 +42,16 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
         p.add_argument("--target", default=DEFAULT_TARGET, help="target: named source, HF directory or .gguf file")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft directory, committed draft name or cut:<model>:<L>")
     if mode:
-        p.add_argument("--mode", default="s2d", help="s2d (adaptive exits) | ar (target only) | exit:<layer>")
-    p.add_argument("--policy", choices=["heuristic", "fixed"], default=None,
-                   help="draft length policy (default: the calibration profile's, else heuristic)")
+        p.add_argument("--mode", default="s2d",
+                       help="s2d (adaptive exits) | ar (target only) | lookup (prompt lookup alone) | exit:<layer>")
+    p.add_argument("--policy", choices=["heuristic", "fixed", "auto"], default=None,
+                   help="draft length policy: auto = cost-based and load-aware (default: the profile's)")
     p.add_argument("--k", type=int, default=None,
-                   help="fixed k, or the heuristic's starting k (default: the profile's, else 5)")
+                   help="fixed k, or the heuristic's starting k; a tree's spine depth (default: the profile's, else 5)")
+    p.add_argument("--width", type=int, default=None, help="token tree: draft candidates per depth (1 = chain)")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="add prompt-lookup candidates to the tree (default: the profile's)")
+    p.add_argument("--max-nodes", type=int, default=None, help="most tree nodes verified per sequence and round")
     p.add_argument("--exits", type=INTS, default=None, help="override the draft's exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=FLOATS, default=None, help="override thresholds, e.g. 0.5,0.5,0")
     p.add_argument("--stop-confidence", type=float, default=0.0,
@@ -70,6 +75,10 @@ def engine_config(args: argparse.Namespace, target: str | None = None, mode: str
     )
 
 
+SPEC_FLAGS = ("policy", "k", "width", "lookup", "max_nodes")
+
+
 def spec_config(args: argparse.Namespace, mode: str) -> SpecConfig:
-    """Only what the user gave is set, so a calibration profile can fill in the draft-length policy."""
-    return SpecConfig(mode=mode, **{f: getattr(args, f) for f in ("policy", "k") if getattr(args, f) is not None})
+    """Only what the user gave is set, so a calibration profile can fill in the rest (policy, k, tree shape)."""
+    given = {f: getattr(args, f, None) for f in SPEC_FLAGS}
+    return SpecConfig(mode=mode, **{f: v for f, v in given.items() if v is not None})

@@ -86,6 +86,15 @@ class SlotKVCache:
         return k.transpose(1, 2), v.transpose(1, 2)
 
     @torch.no_grad()
+    def move_slots(self, row: int, src: list[int], dst_start: int) -> None:
+        """Copy K/V of slots `src` (in order) to consecutive slots from `dst_start`, in every layer."""
+        src_t = torch.tensor(src, device=self.device)
+        dst = slice(dst_start, dst_start + len(src))
+        for store in (self.keys, self.values):
+            for t in store:
+                t[row, dst] = t[row, src_t]  # advanced indexing gathers a copy first: overlaps are safe
+
+    @torch.no_grad()
     def clear_row(self, row: int) -> None:
         """Zero a freed row so no state of a finished request outlives it."""
         for store in (self.keys, self.values):
@@ -93,9 +102,18 @@ class SlotKVCache:
                 t[row].zero_()
 
 
+def causal_allowed(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[n, s, kv_len] bool: a token at slot p sees slots 0..p of its own row."""
+    slots = torch.arange(kv_len, device=positions.device)
+    return slots[None, None, :] <= positions[:, :, None]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, s, kv_len] bool -> additive attention mask [n, 1, s, kv_len]."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
 def slot_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask [n, 1, s, kv_len]: a token at position p sees slots 0..p of its own row."""
-    slots = torch.arange(kv_len, device=positions.device)
-    allowed = slots[None, None, :] <= positions[:, :, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return additive_mask(causal_allowed(positions, kv_len), dtype)

@@ -201,8 +201,11 @@ class SortedDrafter:
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
+        """Chains (a token per depth, sampled from q when sampling) or trees (`req.tree`: the argmax spine of depth k,
+        each depth's next `width - 1` most probable tokens as sibling leaves, scored by path probability)."""
         states = [self.table.sync(r.seq_id, r.tokens) for r in requests]
-        props = [Proposal.empty() for _ in requests]
+        props = [Proposal([], None, [], [], []) if r.tree else Proposal.empty() for r in requests]
+        spine = [(-1, 1.0)] * len(requests)  # per request: (last spine node, its path probability)
         live = [i for i, r in enumerate(requests) if r.k > 0]
         for step in range(max((r.k for r in requests), default=0)):
             live = [i for i in live if requests[i].k > step]
@@ -212,18 +215,41 @@ class SortedDrafter:
             still = []
             for j, i in enumerate(live):
                 req, prop = requests[i], props[i]
-                probs = logits_to_probs(out.logits[j], req.params)
-                gen = round_generator(req.params.seed, len(states[i].tokens), "draft")
-                tok = int(probs.argmax()) if req.params.greedy else sample(probs, gen)
-                prop.tokens.append(tok)
-                prop.exits.append(out.exits[j])
-                if not req.params.greedy:
-                    prop.q = probs[None] if prop.q is None else torch.cat([prop.q, probs[None]])
+                if req.tree:
+                    tok = self._grow_tree(prop, out.logits[j], out.exits[j], req.width, spine, i)
+                else:
+                    probs = logits_to_probs(out.logits[j], req.params)
+                    gen = round_generator(req.params.seed, len(states[i].tokens), "draft")
+                    tok = int(probs.argmax()) if req.params.greedy else sample(probs, gen)
+                    prop.tokens.append(tok)
+                    prop.exits.append(out.exits[j])
+                    if not req.params.greedy:
+                        prop.q = probs[None] if prop.q is None else torch.cat([prop.q, probs[None]])
                 states[i].tokens.append(tok)
                 if self._confident(out.logits[j], tok):
                     still.append(i)
             live = still
         return props
+
+    @staticmethod
+    def _grow_tree(prop: Proposal, logits: torch.Tensor, exit_layer: int, width: int, spine: list[tuple[int, float]],
+                   i: int) -> int:
+        """Add one depth below the spine's last node: its top-`width` tokens (the first continues the spine), each
+        scored by the path probability; returns the spine token."""
+        probs = torch.softmax(logits.float(), -1)
+        top = torch.topk(probs, max(width, 1))
+        parent, base = spine[i]
+        toks, prs = top.indices.tolist(), top.values.tolist()
+        first = len(prop.tokens)
+        for tok, pr in zip(toks, prs):
+            if pr <= 0.0:  # outside a reduced-vocabulary head
+                break
+            prop.tokens.append(tok)
+            prop.parents.append(parent)
+            prop.exits.append(exit_layer)
+            prop.scores.append(base * pr)
+        spine[i] = (first, base * prs[0])
+        return toks[0]
 
     def _confident(self, logits: torch.Tensor, tok: int) -> bool:
         if self.stop_confidence <= 0:

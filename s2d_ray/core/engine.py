@@ -19,10 +19,12 @@ from typing import Any, Callable
 
 import torch
 
+from .budget import SpeculationBudget
 from .draft import Drafter
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
 from .target import Verifier
+from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
 
 
@@ -81,9 +83,13 @@ class SpecEngine:
         sampler: Sampler = rejection_sample,
         max_context: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        budget: SpeculationBudget | None = None,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
         self.policy = policy or HeuristicK()
+        # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
+        self.budget = budget
+        self.trees = budget is not None and (budget.shape.width > 1 or budget.shape.lookup)
         self.sampler = sampler
         self.max_context = max_context
         self.detokenize = detokenize
@@ -119,20 +125,44 @@ class SpecEngine:
     def plan(self) -> tuple[list[_Sequence], list[DraftRequest]]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
         live = list(self.seqs.values())
+        depth = None
+        if self.budget is not None and self.budget.load_aware and self.drafter is not None:
+            depth = self.budget.depth(len(live), 0)
+        width = self.budget.shape.width if self.trees else 1
         drafts = []
         for seq in live:
-            remaining = seq.req.max_new_tokens - len(seq.generated) - 1
-            if self.max_context is not None:
-                remaining = min(remaining, self.max_context - len(seq.tokens) - 1)
-            k = max(0, min(seq.k, remaining)) if self.drafter is not None else 0
-            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params))
+            k = max(0, min(seq.k if depth is None else depth, self._remaining(seq))) if self.drafter is not None else 0
+            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params, tree=self.trees, width=width))
         return live, drafts
+
+    def _remaining(self, seq: _Sequence) -> int:
+        """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
+        remaining = seq.req.max_new_tokens - len(seq.generated) - 1
+        if self.max_context is not None:
+            remaining = min(remaining, self.max_context - len(seq.tokens) - 1)
+        return remaining
+
+    def shape_trees(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
+        """Between propose and verify: keep each tree's most likely nodes, as many as the modelled cost pays for
+        (the same count for every row), never deeper than the sequence can still use."""
+        if not self.trees:
+            return proposals
+        trees = [_as_tree(p) for p in proposals]
+        acc = self.budget.acceptance
+        est = [acc.estimate(t) for t in trees]
+        cap = self.budget.node_cap(est)
+        out = []
+        for seq, tree, e in zip(live, trees, est):
+            kept = tree.keep(cap, rank=e, max_depth=max(self._remaining(seq), 0))
+            out.append(Proposal(kept.tokens, None, kept.exits, kept.parents, kept.scores))
+        return out
 
     @staticmethod
     def score_requests(drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
         """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one."""
         return [
-            ScoreRequest(d.seq_id, d.tokens + p.tokens, len(p.tokens) + 1) for d, p in zip(drafts, proposals)
+            ScoreRequest(d.seq_id, d.tokens + p.tokens, len(p.tokens) + 1, p.parents if p.tokens else None)
+            for d, p in zip(drafts, proposals)
         ]
 
     def commit(
@@ -144,8 +174,19 @@ class SpecEngine:
             if seq.req.seq_id not in self.seqs:  # aborted while the round was in flight
                 continue
             gen = round_generator(seq.req.params.seed, len(seq.tokens), "accept")
-            n_acc, nxt = self.sampler(prop.tokens, prop.q, p_logits, seq.req.params, gen)
-            result = RoundResult(len(prop.tokens), n_acc, prop.tokens[:n_acc] + [nxt], prop.exits)
+            if prop.is_tree and prop.tokens:
+                tree = _as_tree(prop)
+                path, nxt = accept_tree(tree, p_logits, seq.req.params, gen)
+                n_acc = len(path)
+                rest = [prop.exits[i] for i in range(len(tree)) if i not in set(path)]
+                result = RoundResult(len(tree), n_acc, [tree.tokens[i] for i in path] + [nxt],
+                                     [prop.exits[i] for i in path] + rest)
+                self.budget.observe(max(tree.depths()), n_acc, tree, path)
+            else:
+                n_acc, nxt = self.sampler(prop.tokens, prop.q, p_logits, seq.req.params, gen)
+                result = RoundResult(len(prop.tokens), n_acc, prop.tokens[:n_acc] + [nxt], prop.exits)
+                if self.budget is not None and prop.tokens:
+                    self.budget.observe(len(prop.tokens), n_acc, None, [])
             emitted = self._append(seq, result.new_tokens)
             seq.metrics.record(result, len(emitted))
             seq.metrics.draft_seconds += timing[0]
@@ -203,7 +244,7 @@ class SpecEngine:
         if not live:
             return []
         t0 = time.perf_counter()
-        proposals = self._propose(drafts)
+        proposals = self.shape_trees(live, self._propose(drafts))
         t1 = time.perf_counter()
         logits = self.verifier.score(self.score_requests(drafts, proposals))
         t2 = time.perf_counter()
@@ -216,15 +257,15 @@ class SpecEngine:
             return []
         t0 = time.perf_counter()
         proposals = [Proposal.empty() for _ in drafts]
-        if self.drafter is not None and any(d.k > 0 for d in drafts):
-            proposals = await _maybe_await(self.drafter.propose(drafts))
+        if self.drafter is not None and (self.trees or any(d.k > 0 for d in drafts)):
+            proposals = self.shape_trees(live, await _maybe_await(self.drafter.propose(drafts)))
         t1 = time.perf_counter()
         logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
         t2 = time.perf_counter()
         return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
 
     def _propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
-        if self.drafter is None or all(d.k == 0 for d in drafts):
+        if self.drafter is None or (not self.trees and all(d.k == 0 for d in drafts)):
             return [Proposal.empty() for _ in drafts]
         return self.drafter.propose(drafts)
 
@@ -243,6 +284,13 @@ class SpecEngine:
                              done[r.seq_id].metrics.to_dict())
             for r in requests
         ]
+
+
+def _as_tree(prop: Proposal) -> TokenTree:
+    n = len(prop.tokens)
+    parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
+    scores = prop.scores if prop.scores is not None else [1.0] * n
+    return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores))
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
-from .cache import SlotKVCache, slot_mask
+from .cache import SlotKVCache, additive_mask, slot_mask
 
 logger = logging.getLogger(__name__)
 
@@ -129,19 +129,46 @@ class LayerStack(nn.Module):
         return full.index_copy_(-1, self.vocab_ids.to(sub.device), sub)
 
     def run_segment(
-        self, seg: int, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache
+        self, seg: int, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache,
+        rope_positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Push x: [n, s, h] at positions: [n, s] of cache rows: [n] through one segment's layers."""
+        """Push x: [n, s, h] written at slots `positions`: [n, s] of cache rows: [n] through one segment's layers.
+
+        By default a token's slot is its position (RoPE) and it sees slots up to its own. Token trees pass the
+        RoPE positions (prefix length + depth - 1) and `allowed`: [n, s, kv_len] bool (prefix + ancestors + self).
+        """
         lo, hi = self.segments[seg]
         kv_len = int(positions.max()) + 1
         cache.select(rows, positions, kv_len)
+        mask = slot_mask(positions, kv_len, x.dtype) if allowed is None else additive_mask(allowed, x.dtype)
         # One mask row per head, materialised: CPU SDPA is ~10x slower with a head-broadcast mask (measured).
-        mask = slot_mask(positions, kv_len, x.dtype).expand(-1, self.parts.num_heads, -1, -1).contiguous()
-        cos_sin = self.parts.rotary(x, position_ids=positions)
+        mask = mask.expand(-1, self.parts.num_heads, -1, -1).contiguous()
+        rope = positions if rope_positions is None else rope_positions
+        cos_sin = self.parts.rotary(x, position_ids=rope)
         for layer in self.layers[lo:hi]:
-            out = layer(x, attention_mask=mask, position_ids=positions, cache=cache, position_embeddings=cos_sin)
+            out = layer(x, attention_mask=mask, position_ids=rope, cache=cache, position_embeddings=cos_sin)
             x = out[0] if isinstance(out, tuple) else out
         return x
+
+
+@dataclass
+class PendingTree:
+    """KV of a verified token tree: node i sits at slot `start + i`, not yet at the slot of its depth."""
+
+    start: int
+    tokens: list[int]
+    parents: list[int]
+
+    def path(self, tokens: list[int]) -> list[int]:
+        """Nodes along `tokens[start:]` from the root down (the accepted path, as the caller's tokens now say)."""
+        out, node = [], -1
+        for tok in tokens[self.start:]:
+            nxt = next((i for i, (p, t) in enumerate(zip(self.parents, self.tokens)) if p == node and t == tok), None)
+            if nxt is None:
+                break
+            out.append(nxt)
+            node = nxt
+        return out
 
 
 @dataclass
@@ -151,6 +178,7 @@ class RowState:
     row: int
     tokens: list[int] = field(default_factory=list)
     filled: list[int] = field(default_factory=list)  # per segment: positions [0, filled) hold KV
+    tree: PendingTree | None = None  # the last verified tree, compacted on the next sync
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -184,12 +212,27 @@ class RowTable:
             state = RowState(row=row, filled=[0] * self.num_segments)
             self.states[seq_id] = state
         else:
+            if state.tree is not None:
+                self._commit_tree(state, tokens)
             keep = common_prefix(state.tokens, tokens)
             if keep < min(state.filled, default=0):
                 logger.debug("seq %s: prefix mismatch at %d, recomputing from there", seq_id, keep)
             state.filled = [min(f, keep) for f in state.filled]
         state.tokens = list(tokens)
         return state
+
+    def _commit_tree(self, state: RowState, tokens: list[int]) -> None:
+        """Keep only the accepted path of the last tree: move its KV to consecutive slots after the prefix (one
+        gather per layer); rejected nodes are left behind to be overwritten. Afterwards rollback is a length again."""
+        tree, state.tree = state.tree, None
+        path = tree.path(tokens)
+        if not path:
+            return
+        src = [tree.start + i for i in path]
+        if src != list(range(tree.start, tree.start + len(path))):
+            self.cache.move_slots(state.row, src, tree.start)
+        state.tokens = state.tokens[: tree.start] + [tree.tokens[i] for i in path]
+        state.filled = [tree.start + len(path) if f >= tree.start else f for f in state.filled]
 
     def _take_new_row(self) -> int:
         row = self._next_row

@@ -7,7 +7,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .stack import LayerStack, RowTable, decoder_parts, pending_grid
+from .cache import causal_allowed
+from .stack import LayerStack, PendingTree, RowTable, decoder_parts, pending_grid
+from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
 
 
@@ -41,13 +43,20 @@ class TargetVerifier:
 
     @torch.no_grad()
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
-        """One forward over every request's uncached positions; returns logits [num_logits, V] per request."""
+        """One forward over every request's uncached positions; returns logits [num_logits, V] per request.
+
+        Chains and token trees batch together: a tree's nodes take the slots after the prefix in their stored order,
+        with RoPE positions by depth and a mask of prefix + ancestors (the accepted path is compacted on the next
+        call, see RowTable).
+        """
         if not requests:
             return []
         states, starts, ends = [], [], []
         for req in requests:
             if req.num_logits < 1 or req.num_logits > len(req.tokens):
                 raise ValueError(f"num_logits must be in [1, {len(req.tokens)}], got {req.num_logits}")
+            if req.parents is not None and req.num_logits != len(req.parents) + 1:
+                raise ValueError(f"a tree of {len(req.parents)} nodes needs {len(req.parents) + 1} logits")
             st = self.table.sync(req.seq_id, req.tokens)
             # Positions whose logits are wanted must be recomputed even if their KV is cached.
             st.filled[0] = min(st.filled[0], len(req.tokens) - req.num_logits)
@@ -61,11 +70,17 @@ class TargetVerifier:
             n = ends[i] - starts[i] + 1
             ids[i, :n] = torch.tensor(req.tokens[starts[i] :], device=device)
         rows = torch.tensor([st.row for st in states], device=device)
-        hidden = self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache)
+        rope, allowed = tree_layout(requests, starts, positions)
+        hidden = self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
         picked = [hidden[i, e - s + 1 - req.num_logits : e - s + 1] for i, (req, s, e) in enumerate(zip(requests, starts, ends))]
         logits = widen(self.stack.logits(torch.cat(picked)))  # one LM-head matmul for the whole batch
         for st, req in zip(states, requests):
-            st.filled[0] = len(req.tokens)
+            if req.parents:
+                start = len(req.tokens) - len(req.parents)
+                st.filled[0], st.tokens = start, st.tokens[:start]
+                st.tree = PendingTree(start, list(req.tokens[start:]), list(req.parents))
+            else:
+                st.filled[0] = len(req.tokens)
         return list(logits.split([req.num_logits for req in requests]))
 
     def release(self, seq_id: str) -> None:
@@ -74,3 +89,27 @@ class TargetVerifier:
     @property
     def num_active(self) -> int:
         return len(self.table)
+
+
+def tree_layout(
+    requests: list[ScoreRequest], starts: list[int], positions: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """RoPE positions and attention of a batch that holds token trees (None, None when none does).
+
+    Node i of a tree after a prefix of P tokens sits at slot P + i, has RoPE position P - 1 + depth(i), and sees the
+    prefix, its ancestors and itself; every other token keeps slot = position and causal attention.
+    """
+    if not any(r.parents for r in requests):
+        return None, None
+    kv_len = int(positions.max()) + 1
+    rope = positions.clone()
+    allowed = causal_allowed(positions, kv_len)
+    for i, (req, start) in enumerate(zip(requests, starts)):
+        if not req.parents:
+            continue
+        n = len(req.parents)
+        prefix = len(req.tokens) - n
+        col = prefix - start  # grid column of node 0
+        rope[i, col : col + n] = prefix - 1 + torch.tensor(node_depths(req.parents), device=positions.device)
+        allowed[i, col : col + n, prefix : prefix + n] = ancestor_mask(req.parents).to(positions.device)
+    return rope, allowed

@@ -28,21 +28,32 @@ class DraftRequest:
 
     seq_id: str
     tokens: list[int]
-    k: int
+    k: int  # draft depth (the spine of a tree)
     params: SamplingParams = SamplingParams()
+    tree: bool = False  # propose a token tree: deterministic top-1 spine of depth k plus siblings
+    width: int = 1  # tree only: candidates per depth, the draft's top-`width` tokens (spine + width - 1 siblings)
 
 
 @dataclass
 class Proposal:
-    """Draft tokens for one sequence. `q` is None for greedy drafting (a one-hot q)."""
+    """Draft tokens for one sequence: a chain (parents None) or a token tree (see core/tree.py).
 
-    tokens: list[int]  # [k']  k' <= k (confidence stop may end early)
-    q: torch.Tensor | None  # [k', V] draft probabilities the tokens were sampled from
-    exits: list[int]  # [k'] exit layer each token left the draft at
+    `q` is None for deterministic candidates (greedy drafting, tree nodes, lookup): a point mass on each token.
+    """
+
+    tokens: list[int]  # [k']  k' <= k (confidence stop may end early); tree nodes in topological order
+    q: torch.Tensor | None  # [k', V] draft probabilities the tokens were sampled from (chains only)
+    exits: list[int]  # [k'] exit layer each token left the draft at (0: a lookup candidate)
+    parents: list[int] | None = None  # tree: parent node index of each node, -1 = the last committed token
+    scores: list[float] | None = None  # tree: draft probability of the path to each node (ranking for budgets)
 
     @staticmethod
     def empty() -> "Proposal":
         return Proposal(tokens=[], q=None, exits=[])
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass(frozen=True)
@@ -52,16 +63,19 @@ class ScoreRequest:
     seq_id: str
     tokens: list[int]
     num_logits: int
+    # A token tree: the last len(parents) tokens are tree nodes (parent index, -1 = the token before them), verified
+    # with tree attention (each node sees the prefix and its ancestors); num_logits must be len(parents) + 1.
+    parents: list[int] | None = None
 
 
 @dataclass
 class RoundResult:
     """What one verification round did for one sequence."""
 
-    n_drafted: int
-    n_accepted: int  # accepted draft tokens, bonus excluded
+    n_drafted: int  # draft tokens (chain) or tree nodes verified
+    n_accepted: int  # accepted draft tokens (the accepted path's length), bonus excluded
     new_tokens: list[int]  # accepted draft tokens + the target's own next token (before stop truncation)
-    exits: list[int]
+    exits: list[int]  # per drafted token/node, the accepted path's first (0: lookup)
 
 
 @dataclass
@@ -75,7 +89,8 @@ class SequenceMetrics:
     num_generated_tokens: int = 0
     acceptance_histogram: dict[int, int] = field(default_factory=dict)  # n_accepted -> rounds
     exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer -> draft tokens proposed there
-    accepted_exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer -> accepted draft tokens
+    accepted_exit_histogram: dict[int, int] = field(default_factory=dict)  # exit layer (0: lookup) -> accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # depth - 1 -> accepted tokens (vLLM)
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -91,6 +106,10 @@ class SequenceMetrics:
         self.num_accepted_draft_tokens += result.n_accepted
         h = self.acceptance_histogram
         h[result.n_accepted] = h.get(result.n_accepted, 0) + 1
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (result.n_accepted - len(per_pos)))
+        for i in range(result.n_accepted):
+            per_pos[i] += 1
         for i, layer in enumerate(result.exits):
             self.exit_histogram[layer] = self.exit_histogram.get(layer, 0) + 1
             if i < result.n_accepted:
@@ -118,6 +137,7 @@ class SequenceMetrics:
             "acceptance_histogram": {str(k): v for k, v in sorted(self.acceptance_histogram.items())},
             "exit_histogram": {str(k): v for k, v in sorted(self.exit_histogram.items())},
             "accepted_exit_histogram": {str(k): v for k, v in sorted(self.accepted_exit_histogram.items())},
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "tokens_per_second": self.num_generated_tokens / self.total_seconds if self.total_seconds else 0.0,
             "draft_seconds": self.draft_seconds,
             "target_seconds": self.target_seconds,

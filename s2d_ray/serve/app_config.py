@@ -172,7 +172,8 @@ class AppConfig(_Strict):
 
     @property
     def uses_draft(self) -> bool:
-        return self.spec.mode != "ar"
+        """Whether the app runs the sorted-draft deployment (`lookup` and `ar` need no draft model)."""
+        return self.spec.uses_draft_model
 
     def target(self, name: str) -> TargetSpec:
         return next(t for t in self.targets if t.name == name)

@@ -1,7 +1,7 @@
 """Prometheus metrics of the router, named in vLLM's style (`s2d:spec_decode_num_accepted_tokens_total`, ...).
 
 One registry per router replica (served at /metrics); every series carries the target as `model`, exit counters
-also the draft exit layer as `exit`.
+also the draft exit layer as `exit` (`0`: prompt-lookup candidates).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class ServeMetrics:
                                   registry=r)
         self.exit_accepted = Counter("s2d:spec_decode_num_accepted_tokens_by_exit", "Draft tokens accepted per exit.",
                                      me, registry=r)
+        self.accepted_per_pos = Counter("s2d:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by depth in the round (position 0 = first).",
+                                        ["model", "position"], registry=r)
         self.draft_fallbacks = Counter("s2d:spec_decode_draft_fallback_rounds",
                                        "Rounds decoded target-only because the draft deployment failed.", m, registry=r)
         self.prompt_tokens = Counter("s2d:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
@@ -65,6 +68,8 @@ class ServeMetrics:
             self.exit_draft.labels(model, layer).inc(n)
         for layer, n in metrics["accepted_exit_histogram"].items():
             self.exit_accepted.labels(model, layer).inc(n)
+        for pos, n in enumerate(metrics.get("num_accepted_tokens_per_pos", [])):
+            self.accepted_per_pos.labels(model, str(pos)).inc(n)
         self.e2e.labels(model).observe(e2e_s)
         if ttft_s is not None:
             self.ttft.labels(model).observe(ttft_s)

@@ -1,0 +1,264 @@
+"""Token trees and lookup candidates stay lossless: tree attention, KV compaction, greedy equality, exact sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core_fixtures import noisy_draft, random_prompts, tiny_target
+from s2d_ray.core.budget import SpeculationBudget, TreeShape
+from s2d_ray.core.costs import CostModel
+from s2d_ray.core.draft import SortedDrafter
+from s2d_ray.core.engine import GenerationRequest, SpecEngine
+from s2d_ray.core.lookup import PromptLookup, TreeDrafter, find_continuation
+from s2d_ray.core.policy import FixedK
+from s2d_ray.core.sampling import logits_to_probs, sample
+from s2d_ray.core.target import TargetVerifier
+from s2d_ray.core.tree import LOOKUP, TokenTree, accept_tree, ancestor_mask
+from s2d_ray.core.types import SamplingParams, ScoreRequest
+from test_engine_exact import reference_greedy, run
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=0)
+
+
+def random_tree(n: int, vocab: int, gen: torch.Generator) -> TokenTree:
+    tree = TokenTree()
+    while len(tree) < n:
+        parent = int(torch.randint(-1, len(tree), (1,), generator=gen))
+        tree.add(parent, int(torch.randint(3, vocab, (1,), generator=gen)), 1, 0.5)
+    return tree
+
+
+def test_tree_verification_equals_each_path_scored_as_a_chain(target):
+    """Every node sees exactly the prefix and its ancestors: its logits equal a plain forward over prefix + path."""
+    gen = torch.Generator().manual_seed(0)
+    verifier = TargetVerifier(target)
+    prompts = random_prompts(3, seed=3)
+    trees = [random_tree(9, 96, gen) for _ in prompts]
+    reqs = [ScoreRequest(f"s{i}", p + t.tokens, len(t) + 1, t.parents) for i, (p, t) in enumerate(zip(prompts, trees))]
+    # Warm one row's cache with part of its prefix so cached and uncached prefix positions mix in one batch.
+    verifier.score([ScoreRequest("s0", prompts[0][:-1], 1)])
+    out = verifier.score(reqs)
+    with torch.no_grad():
+        for p, t, logits in zip(prompts, trees, out):
+            assert torch.allclose(logits[0], target(torch.tensor([p])).logits[0, -1], atol=1e-9)
+            for i in range(len(t)):
+                path, j = [], i
+                while j >= 0:
+                    path.append(t.tokens[j])
+                    j = t.parents[j]
+                ref = target(torch.tensor([p + path[::-1]])).logits[0, -1]
+                assert torch.allclose(logits[i + 1], ref, atol=1e-9), i
+
+
+def test_ancestor_mask_is_exactly_self_and_ancestors():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        tree = random_tree(12, 50, gen)
+        mask = ancestor_mask(tree.parents)
+        for i in range(len(tree)):
+            anc, j = {i}, tree.parents[i]
+            while j >= 0:
+                anc.add(j)
+                j = tree.parents[j]
+            assert {j for j in range(len(tree)) if mask[i, j]} == anc
+
+
+def test_accepted_path_kv_is_compacted(target):
+    """After a tree round that accepts a sibling path, the next round's logits equal a fresh computation."""
+    verifier = TargetVerifier(target)
+    prompt = random_prompts(1, seed=4)[0]
+    tree = TokenTree()
+    tree.add_path([10, 11, 12], [1, 1, 1], [0.9, 0.8, 0.7])  # nodes 0-2: the spine
+    sib = tree.add(-1, 20, 1, 0.1)  # node 3
+    tree.add_path([21, 22], [LOOKUP] * 2, [0.0, 0.0], parent=sib)  # nodes 4-5 below the sibling
+    verifier.score([ScoreRequest("s", prompt + tree.tokens, len(tree) + 1, tree.parents)])
+    committed = prompt + [20, 21, 22, 30]  # accepted the sibling branch, then a bonus token
+    logits = verifier.score([ScoreRequest("s", committed, 1)])[0]
+    st = verifier.table.states["s"]
+    assert st.filled[0] == len(committed)
+    with torch.no_grad():
+        assert torch.allclose(logits[0], target(torch.tensor([committed])).logits[0, -1], atol=1e-9)
+
+
+def test_tree_keep_is_ancestor_closed_and_depth_capped():
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        tree = random_tree(15, 40, gen)
+        tree.scores = torch.rand(len(tree), generator=gen).tolist()
+        for budget in (0, 1, 4, 9, 20):
+            kept = tree.keep(budget, max_depth=3)
+            assert len(kept) <= budget and all(d <= 3 for d in kept.depths())
+            assert all(p < i for i, p in enumerate(kept.parents))
+
+
+def test_lookup_finds_the_latest_longest_match():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    m = find_continuation(toks, max_ngram=3, num_tokens=4)
+    assert m.ngram == 3 and m.tokens == [7, 8, 5, 1]
+    assert find_continuation([1, 2, 3], 3, 4).tokens == []
+
+
+def tree_engine(target, width: int, lookup: bool, costs: CostModel | None = None, k: int = 3) -> SpecEngine:
+    draft = SortedDrafter(noisy_draft(target))
+    drafter = TreeDrafter(draft, PromptLookup(max_ngram=3, num_tokens=6) if lookup else None, alone_ngram=3)
+    budget = SpeculationBudget(TreeShape(width=width, lookup=lookup, max_nodes=12), costs, max_depth=6)
+    return SpecEngine(TargetVerifier(target), drafter, FixedK(k), budget=budget)
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so lookup finds matches (as in code or math text)."""
+    out = []
+    for p in random_prompts(n, seed=seed, lo=4, hi=9):
+        out.append(p + p + p[:2])
+    return out
+
+
+@pytest.mark.parametrize("width,lookup", [(2, False), (4, False), (1, True), (3, True)])
+@pytest.mark.parametrize("batch", [False, True])
+def test_greedy_trees_equal_target_greedy(target, width, lookup, batch):
+    prompts = random_prompts(4, seed=width) + repetitive_prompts(2, seed=width)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 40, batch=True)
+    out = run(tree_engine(target, width, lookup), prompts, 40, batch)
+    accepted = drafted = 0
+    for a, s in zip(ar, out):
+        assert s.token_ids == a.token_ids
+        accepted += s.metrics["num_accepted_draft_tokens"]
+        drafted += s.metrics["num_draft_tokens"]
+    assert 0 < accepted < drafted
+
+
+def test_trees_accept_siblings_and_lookup(target):
+    """The fixture must exercise non-spine paths, or the compaction and tree tests prove little."""
+    prompts = repetitive_prompts(4, seed=9) + random_prompts(4, seed=9)
+    engine = tree_engine(target, 4, True)
+    seen_off_spine = seen_lookup = 0
+    original = engine.commit
+
+    def spy(live, proposals, logits, timing):
+        nonlocal seen_off_spine, seen_lookup
+        outs = original(live, proposals, logits, timing)
+        for prop, out in zip(proposals, outs):
+            spine = [t for t, p, e in zip(prop.tokens, prop.parents or [], prop.exits) if e != LOOKUP][:1]
+            if out.new_tokens and spine and out.new_tokens[0] != spine[0] and out.new_tokens[0] in prop.tokens:
+                seen_off_spine += 1
+        return outs
+
+    engine.commit = spy
+    res = engine.generate([GenerationRequest(f"s{i}", p, 40) for i, p in enumerate(prompts)])
+    seen_lookup = sum(r.metrics["accepted_exit_histogram"].get(str(LOOKUP), 0) for r in res)
+    assert seen_off_spine > 0 and seen_lookup > 0
+
+
+def test_mixed_batch_of_trees_and_plain_rows(target):
+    """Load-aware sizing gives some rows no nodes; chains, trees and plain steps share forwards losslessly."""
+    costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 20.0, 32: 36.0}}, [1.0, 1.5, 2.0])
+    prompts = random_prompts(6, seed=21, lo=2, hi=30) + repetitive_prompts(2, seed=21)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 30, batch=True)
+    out = run(tree_engine(target, 3, True, costs), prompts, 30, batch=True)
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+
+
+def test_load_aware_budget_turns_speculation_off_when_verification_is_dear(target):
+    """With verification cost growing steeply in positions, the budget picks plain decoding; output unchanged."""
+    dear = CostModel({1: {1: 10.0, 2: 40.0, 4: 80.0, 8: 160.0}}, [5.0, 6.0, 7.0])
+    engine = tree_engine(target, 4, False, dear)
+    prompts = random_prompts(3, seed=5)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 20, batch=True)
+    out = run(engine, prompts, 20, batch=True)
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert all(o.metrics["num_draft_tokens"] == 0 for o in out)
+    assert engine.budget.depth(1, 0) == 0
+    cheap = CostModel({1: {1: 10.0, 2: 10.1, 4: 10.2, 8: 10.4, 16: 10.8, 32: 12.0}}, [0.5, 0.6, 0.7])
+    assert tree_engine(target, 4, False, cheap).budget.depth(1, 0) > 0
+    # The same cheap costs, but a batch so large that B * n is far beyond the measured flat region.
+    assert tree_engine(target, 4, False, cheap).budget.depth(512, 0) == 0
+
+
+# --- sampling: exact multi-candidate acceptance ----------------------------------------------------------------
+def wrong_no_residual(tree, logits, params, generator):
+    """Negative control: a rejected candidate stays in r (residual not updated)."""
+    kids = [i for i, p in enumerate(tree.parents) if p == -1]
+    r = logits_to_probs(logits[0], params).double()
+    for c in kids:
+        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        if u < float(r[tree.tokens[c]]):
+            return [c], 0
+    return [], sample(r, generator)
+
+
+def first_token_histogram(rule, tree, logits, params, n, vocab) -> torch.Tensor:
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for i in range(n):
+        gen = torch.Generator().manual_seed(i)
+        path, nxt = rule(tree, logits, params, gen)
+        counts[tree.tokens[path[0]] if path else nxt] += 1
+    return counts / n
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
+                                    SamplingParams(temperature=1.2, top_p=0.8)])
+def test_tree_sampling_follows_target_and_converges(params):
+    gen = torch.Generator().manual_seed(3)
+    vocab = 6
+    logits = torch.randn(4, vocab, generator=gen, dtype=torch.float64) * 1.5
+    tree = TokenTree()
+    for tok in (2, 0, 5):  # three deterministic candidates at depth 1
+        tree.add(-1, tok, 1, 0.5)
+    exact = logits_to_probs(logits[0], params)
+    small = (first_token_histogram(accept_tree, tree, logits, params, 500, vocab) - exact).abs().sum() / 2
+    large = (first_token_histogram(accept_tree, tree, logits, params, 8000, vocab) - exact).abs().sum() / 2
+    assert large < 0.03 and large < small + 0.01
+
+
+def test_wrong_sibling_rule_fails_the_same_check():
+    gen = torch.Generator().manual_seed(3)
+    vocab = 6
+    logits = torch.randn(4, vocab, generator=gen, dtype=torch.float64) * 1.5
+    tree = TokenTree()
+    for tok in (2, 0, 5):
+        tree.add(-1, tok, 1, 0.5)
+    params = SamplingParams(temperature=1.0)
+    exact = logits_to_probs(logits[0], params)
+    err = (first_token_histogram(wrong_no_residual, tree, logits, params, 8000, vocab) - exact).abs().sum() / 2
+    assert err > 0.05
+
+
+def test_engine_tree_sampling_follows_target_distribution():
+    """End to end: draft tree + lookup, batched tree verification, commit: 2-token outputs ~ the target's joint."""
+    from test_sampling import exact_two_token_distribution, tv
+
+    target = tiny_target(seed=5, vocab_size=8, scale=1.5)
+    prompt = [3, 5, 3, 5, 3]  # lookup proposes [5, 3, ...]
+    params = SamplingParams(temperature=1.0)
+    exact = exact_two_token_distribution(target, prompt, params)
+    draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
+    engine = SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
+                        budget=SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=10), None, 4))
+    n = 3000
+    reqs = [GenerationRequest(f"s{i}", prompt, 2, SamplingParams(1.0, 0, 1.0, i)) for i in range(n)]
+    counts = torch.zeros(8, 8, dtype=torch.float64)
+    for res in engine.generate(reqs):
+        counts[res.token_ids[0], res.token_ids[1]] += 1
+    assert tv(counts / n, exact) < 0.06
+
+
+def test_cached_prefix_after_every_tree_round_equals_a_fresh_forward(target):
+    """Round by round: whatever path a tree round accepted, the verifier's KV of the committed prefix is exact."""
+    engine = tree_engine(target, 4, True)
+    prompts = repetitive_prompts(3, seed=13) + random_prompts(3, seed=13)
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"s{i}", p, 30))
+    rounds = 0
+    while engine.has_unfinished:
+        engine.step()
+        rounds += 1
+        for seq_id, seq in engine.seqs.items():
+            logits = engine.verifier.score([ScoreRequest(seq_id, seq.tokens, 1)])[0]
+            with torch.no_grad():
+                ref = target(torch.tensor([seq.tokens])).logits[0, -1]
+            assert torch.allclose(logits[0], ref, atol=1e-9), (rounds, seq_id)
+    assert rounds > 3
