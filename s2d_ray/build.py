@@ -180,13 +180,12 @@ def make_speculation(spec: SpecConfig, drafter: Any | None, profile: dict | None
     costs = CostModel.from_profile(profile) if spec.policy == "auto" and profile else None
     if spec.policy == "auto" and costs is None:
         logger.warning("policy auto needs a calibration profile with costs; using a fixed k=%d", spec.k)
-    if spec.mode == "ar" or (not spec.trees and costs is None):
+    if spec.mode == "ar" or not spec.trees:
         return drafter, None
     lookup = spec.lookup or spec.mode == "lookup"
     shape = TreeShape(width=spec.width if spec.uses_draft_model else 1, lookup=lookup, max_nodes=spec.max_nodes)
-    if spec.trees:
-        finder = PromptLookup(spec.lookup_ngram, spec.lookup_tokens) if lookup else None
-        drafter = TreeDrafter(drafter if spec.uses_draft_model else None, finder, spec.lookup_alone)
+    finder = PromptLookup(spec.lookup_ngram, spec.lookup_tokens) if lookup else None
+    drafter = TreeDrafter(drafter if spec.uses_draft_model else None, finder, spec.lookup_alone)
     return drafter, SpeculationBudget(shape, costs, spec.max_k)
 
 

@@ -75,7 +75,8 @@ class SpecConfig(_Strict):
 
     @property
     def trees(self) -> bool:
-        return self.width > 1 or self.lookup or self.mode == "lookup"
+        """Proposals are token trees of deterministic candidates (also chains sized by the auto policy)."""
+        return self.width > 1 or self.lookup or self.mode == "lookup" or self.policy == "auto"
 
     @field_validator("mode")
     @classmethod

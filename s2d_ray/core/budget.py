@@ -64,6 +64,14 @@ class AcceptanceModel:
                 est[i] = min(est[i], est[par])
         return est
 
+    def score_for(self, p: float) -> float:
+        """The lowest draft path probability whose bin is accepted with probability >= p (1.01: none is)."""
+        lows = (0.0,) + SCORE_EDGES[:-1]
+        for lo, (acc, off) in zip(lows, self.draft):
+            if acc / off >= p:
+                return lo
+        return SCORE_EDGES[-1]
+
     def observe(self, tree: TokenTree, path: list[int]) -> None:
         on_path = set(path)
         for i, (ex, score, d) in enumerate(zip(tree.exits, tree.scores, tree.depths())):
@@ -78,39 +86,93 @@ class AcceptanceModel:
                 cell[1] += 1
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """What the drafter is asked for this round: the spine's depth cap and the path probability below which a
+    row stops drafting deeper (EAGLE-2's dynamic depth; 0 = always draft `depth` deep)."""
+
+    depth: int
+    min_score: float = 0.0
+
+
 class SpeculationBudget:
-    """Per round: the draft depth for the batch, and how many nodes each row keeps (cost-based when costs exist)."""
+    """Per round: how deep to draft and how many nodes each row keeps, from measured costs when there are some.
+
+    Without costs: the policy's k and `max_nodes`. With costs (policy `auto`), everything is priced in seconds per
+    token of the whole batch, measured online and seeded by calibration:
+    - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
+      depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
+    - the draft runs at all only while its first depth is accepted often enough to pay (re-checked every
+      `EXPLORE_EVERY` rounds, so speculation comes back when load drops);
+    - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
+      (n = 0 is a plain decoding step).
+    """
+
+    EXPLORE_EVERY = 16
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
         self.acceptance = AcceptanceModel()
-        # P(accepted path length >= d) for rounds that drafted at least d deep (prior 0.5^d), [hits, rounds].
-        self.reach = [[0.5 ** (d + 1) * 4.0, 4.0] for d in range(max_depth)]
+        self.rounds = 0
+        # EMAs: seconds per round, tokens per round (whole batch), draft seconds per depth, first-depth draft hits.
+        self._round_s = self._round_tokens = self._depth_s = None
+        self._first_hit = [0.5 * 4.0, 4.0]  # [accepted, rounds] of depth-1 draft nodes, prior 0.5
 
     @property
     def load_aware(self) -> bool:
         return self.costs is not None
 
-    def depth(self, batch: int, default: int) -> int:
-        """The draft depth that maximises modelled tokens/s for `batch` rows (the policy's k without costs)."""
-        if self.costs is None:
-            return default
-        width = max(self.shape.width, 1)
-        best_d, best_rate = 0, batch / self.costs.verify(batch, 1 + self._lookup_nodes())
-        tokens = 1.0
-        for d in range(1, self.max_depth + 1):
-            hits, rounds = self.reach[d - 1]
-            tokens += hits / rounds
-            # Siblings add roughly what the spine misses at each depth; counted as width-1 extra positions.
-            n = 1 + d * width + self._lookup_nodes()
-            secs = self.costs.verify(batch, n) + d * self.costs.draft(batch)
-            rate = batch * tokens / secs
-            if rate > best_rate * 1.01:
-                best_d, best_rate = d, rate
-        return best_d
+    # --- measurements -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
+        return new if old is None else (1 - alpha) * old + alpha * new
 
-    def _lookup_nodes(self) -> int:
-        return 4 if self.shape.lookup else 0
+    def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int) -> None:
+        """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted."""
+        self.rounds += 1
+        self._round_s = self._ema(self._round_s, seconds)
+        self._round_tokens = self._ema(self._round_tokens, float(tokens))
+        if depth > 0:
+            self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
+
+    def observe(self, tree: TokenTree | None, path: list[int]) -> None:
+        """One row's verified tree and the accepted path (node indices)."""
+        if tree is None:
+            return
+        self.acceptance.observe(tree, path)
+        depths = tree.depths()
+        drafted_first = [i for i, (d, e) in enumerate(zip(depths, tree.exits)) if d == 1 and e != LOOKUP]
+        if drafted_first:
+            self._first_hit[0] += float(bool(path) and path[0] in drafted_first)
+            self._first_hit[1] += 1
+
+    def token_seconds(self, batch: int) -> float:
+        """Seconds per emitted token of the whole batch (measured; before any round, plain decoding's)."""
+        if self._round_s is not None and self._round_tokens:
+            return self._round_s / self._round_tokens
+        return self.costs.verify(batch, 1) / 1000.0 / max(batch, 1)
+
+    def depth_seconds(self, batch: int) -> float:
+        """Seconds one draft depth costs the batch (measured; before any, the calibrated deepest exit's)."""
+        if self._depth_s is not None:
+            return self._depth_s
+        return self.costs.draft(batch) / 1000.0
+
+    # --- decisions ----------------------------------------------------------------------------------------------
+    def plan(self, batch: int, default_depth: int) -> RoundPlan:
+        if self.costs is None:
+            return RoundPlan(default_depth)
+        if self.shape.width < 1 or self.max_depth < 1:
+            return RoundPlan(0)
+        needed = min(max(self.depth_seconds(batch) / (max(batch, 1) * self.token_seconds(batch)), 0.02), 0.95)
+        hit = self._first_hit[0] / self._first_hit[1]
+        # Drafting pays only if a row's first node is worth verifying at this batch size at all...
+        if (1 + hit) * self.costs.verify(batch, 1) <= self.costs.verify(batch, 2):
+            return RoundPlan(0)
+        # ...and its expected yield covers the draft forward (re-checked now and then: acceptance may have changed).
+        if hit < needed and self.rounds % self.EXPLORE_EVERY != 0:
+            return RoundPlan(0)
+        return RoundPlan(self.max_depth, self.acceptance.score_for(needed))
 
     def node_cap(self, estimates: list[list[float]]) -> int:
         """Nodes per row (the same for every row: a batch is as wide as its widest row) that maximise modelled
@@ -129,11 +191,3 @@ class SpeculationBudget:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
-
-    def observe(self, drafted_depth: int, accepted: int, tree: TokenTree | None, path: list[int]) -> None:
-        for d in range(min(drafted_depth, self.max_depth)):
-            cell = self.reach[d]
-            cell[0] += float(accepted > d)
-            cell[1] += 1
-        if tree is not None:
-            self.acceptance.observe(tree, path)

@@ -226,7 +226,8 @@ class SortedDrafter:
                     if not req.params.greedy:
                         prop.q = probs[None] if prop.q is None else torch.cat([prop.q, probs[None]])
                 states[i].tokens.append(tok)
-                if self._confident(out.logits[j], tok):
+                deeper = spine[i][1] >= req.min_score if req.tree else True
+                if deeper and self._confident(out.logits[j], tok):
                     still.append(i)
             live = still
         return props

@@ -24,7 +24,7 @@ from .draft import Drafter
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
 from .target import Verifier
-from .tree import TokenTree, accept_tree
+from .tree import LOOKUP, TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
 
 
@@ -89,7 +89,7 @@ class SpecEngine:
         self.policy = policy or HeuristicK()
         # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
         self.budget = budget
-        self.trees = budget is not None and (budget.shape.width > 1 or budget.shape.lookup)
+        self.trees = budget is not None
         self.sampler = sampler
         self.max_context = max_context
         self.detokenize = detokenize
@@ -125,14 +125,17 @@ class SpecEngine:
     def plan(self) -> tuple[list[_Sequence], list[DraftRequest]]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
         live = list(self.seqs.values())
-        depth = None
+        plan = None
         if self.budget is not None and self.budget.load_aware and self.drafter is not None:
-            depth = self.budget.depth(len(live), 0)
+            plan = self.budget.plan(len(live), 0)
         width = self.budget.shape.width if self.trees else 1
+        min_score = plan.min_score if plan is not None else 0.0
         drafts = []
         for seq in live:
-            k = max(0, min(seq.k if depth is None else depth, self._remaining(seq))) if self.drafter is not None else 0
-            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params, tree=self.trees, width=width))
+            k = seq.k if plan is None else plan.depth
+            k = max(0, min(k, self._remaining(seq))) if self.drafter is not None else 0
+            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params, tree=self.trees, width=width,
+                                       min_score=min_score))
         return live, drafts
 
     def _remaining(self, seq: _Sequence) -> int:
@@ -181,12 +184,10 @@ class SpecEngine:
                 rest = [prop.exits[i] for i in range(len(tree)) if i not in set(path)]
                 result = RoundResult(len(tree), n_acc, [tree.tokens[i] for i in path] + [nxt],
                                      [prop.exits[i] for i in path] + rest)
-                self.budget.observe(max(tree.depths()), n_acc, tree, path)
+                self.budget.observe(tree, path)
             else:
                 n_acc, nxt = self.sampler(prop.tokens, prop.q, p_logits, seq.req.params, gen)
                 result = RoundResult(len(prop.tokens), n_acc, prop.tokens[:n_acc] + [nxt], prop.exits)
-                if self.budget is not None and prop.tokens:
-                    self.budget.observe(len(prop.tokens), n_acc, None, [])
             emitted = self._append(seq, result.new_tokens)
             seq.metrics.record(result, len(emitted))
             seq.metrics.draft_seconds += timing[0]
@@ -248,7 +249,7 @@ class SpecEngine:
         t1 = time.perf_counter()
         logits = self.verifier.score(self.score_requests(drafts, proposals))
         t2 = time.perf_counter()
-        return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), proposals, t0, t1)
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -262,7 +263,16 @@ class SpecEngine:
         t1 = time.perf_counter()
         logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
         t2 = time.perf_counter()
-        return self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), proposals, t0, t1)
+
+    def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float) -> list[StepOutput]:
+        """Feed the round's measured cost and yield to the load-aware budget."""
+        if self.budget is not None and self.budget.load_aware:
+            depth = max((max((d for d, e in zip(_as_tree(p).depths(), p.exits) if e != LOOKUP), default=0)
+                         for p in proposals), default=0)
+            self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
+                                      depth)
+        return outputs
 
     def _propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
         if self.drafter is None or (not self.trees and all(d.k == 0 for d in drafts)):

@@ -32,6 +32,7 @@ class DraftRequest:
     params: SamplingParams = SamplingParams()
     tree: bool = False  # propose a token tree: deterministic top-1 spine of depth k plus siblings
     width: int = 1  # tree only: candidates per depth, the draft's top-`width` tokens (spine + width - 1 siblings)
+    min_score: float = 0.0  # tree only: stop deepening once the spine's path probability falls below this
 
 
 @dataclass

@@ -171,11 +171,30 @@ def test_load_aware_budget_turns_speculation_off_when_verification_is_dear(targe
     out = run(engine, prompts, 20, batch=True)
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert all(o.metrics["num_draft_tokens"] == 0 for o in out)
-    assert engine.budget.depth(1, 0) == 0
+    assert engine.budget.plan(1, 0).depth == 0
     cheap = CostModel({1: {1: 10.0, 2: 10.1, 4: 10.2, 8: 10.4, 16: 10.8, 32: 12.0}}, [0.5, 0.6, 0.7])
-    assert tree_engine(target, 4, False, cheap).budget.depth(1, 0) > 0
+    budget = tree_engine(target, 4, False, cheap).budget
+    assert budget.plan(1, 0).depth > 0 and budget.node_cap([[0.9, 0.5, 0.3, 0.1]]) >= 2
     # The same cheap costs, but a batch so large that B * n is far beyond the measured flat region.
-    assert tree_engine(target, 4, False, cheap).budget.depth(512, 0) == 0
+    assert budget.plan(512, 0).depth == 0 and budget.node_cap([[0.3, 0.2]] * 512) == 0
+
+
+def test_auto_policy_stops_deepening_at_low_confidence(target):
+    """Dynamic depth: with a high path-probability floor the spine stops early; output still exact."""
+    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0, 16: 12.0, 32: 14.0}}, [1.0, 1.5, 2.0])
+    engine = tree_engine(target, 2, True, costs)
+    prompts = random_prompts(4, seed=17) + repetitive_prompts(2, seed=17)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 30, batch=True)
+    out = run(engine, prompts, 30, batch=True)
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert engine.budget.rounds > 0 and engine.budget.plan(1, 0).min_score > 0
+    from s2d_ray.core.types import DraftRequest
+
+    draft = SortedDrafter(noisy_draft(target))
+    req = dict(seq_id="x", tokens=prompts[0], k=6, tree=True, width=1)
+    deep = draft.propose([DraftRequest(**req)])[0]
+    shallow = SortedDrafter(noisy_draft(target)).propose([DraftRequest(**req, min_score=0.999)])[0]
+    assert len(deep.tokens) == 6 and len(shallow.tokens) < 6
 
 
 # --- sampling: exact multi-candidate acceptance ----------------------------------------------------------------
