@@ -148,8 +148,9 @@ def real_app(serve_instance) -> ServeApp:
     from s2d_ray.serve import build_app
 
     cfg = {
-        "targets": [{"name": "smollm2-135m-instruct", "num_cpus": 0.25}],
-        "draft": {"source": real_draft_source(), "num_cpus": 0.25},
+        # float32, not the `auto` default (bf16 on some CPUs): the tests compare with an fp32 reference token for token
+        "targets": [{"name": "smollm2-135m-instruct", "num_cpus": 0.25, "dtype": "float32"}],
+        "draft": {"source": real_draft_source(), "num_cpus": 0.25, "dtype": "float32"},
         "router": {"num_cpus": 0.25},
         "num_threads": 1,
     }
@@ -163,7 +164,7 @@ def real_tp_app(serve_instance) -> ServeApp:
 
     cfg = {
         "targets": [{"name": "smollm2-tp3", "source": "smollm2-135m-instruct", "tp_size": 3, "num_cpus": 0.1,
-                     "tp_worker_cpus": 0.25}],
+                     "tp_worker_cpus": 0.25, "dtype": "float32"}],  # compared with an fp32 reference
         "spec": {"mode": "ar"},
         "router": {"num_cpus": 0.25},
         "num_threads": 1,
