@@ -245,11 +245,12 @@ class SpecEngine:
         if not live:
             return []
         t0 = time.perf_counter()
-        proposals = self.shape_trees(live, self._propose(drafts))
+        drafted = self._propose(drafts)
+        proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
         logits = self.verifier.score(self.score_requests(drafts, proposals))
         t2 = time.perf_counter()
-        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), proposals, t0, t1)
+        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), drafted, t0, t1)
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -257,16 +258,18 @@ class SpecEngine:
         if not live:
             return []
         t0 = time.perf_counter()
-        proposals = [Proposal.empty() for _ in drafts]
+        drafted = [Proposal.empty() for _ in drafts]
         if self.drafter is not None and (self.trees or any(d.k > 0 for d in drafts)):
-            proposals = self.shape_trees(live, await _maybe_await(self.drafter.propose(drafts)))
+            drafted = await _maybe_await(self.drafter.propose(drafts))
+        proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
         logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
         t2 = time.perf_counter()
-        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), proposals, t0, t1)
+        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), drafted, t0, t1)
 
     def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float) -> list[StepOutput]:
-        """Feed the round's measured cost and yield to the load-aware budget."""
+        """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
+        node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
             depth = max((max((d for d, e in zip(_as_tree(p).depths(), p.exits) if e != LOOKUP), default=0)
                          for p in proposals), default=0)
