@@ -19,6 +19,7 @@ import torch
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
+from ..fleet.measure import sync
 from .validate import PathPreds, adaptive_correct
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, 
             for n in positions:
                 start = time.perf_counter()
                 verifier.score(reqs[n])
+                sync(verifier.stack.device)  # CUDA runs asynchronously: time the work, not its launch
                 times[n].append(time.perf_counter() - start)
         grid[b] = {n: median(t) for n, t in times.items()}
         logger.info("verify grid batch %d: %s ms", b, {n: round(1e3 * t, 2) for n, t in grid[b].items()})
