@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..fleet.hardware import DEVICES, Device
-from ..fleet.measure import measure_device, random_llama, sync
+from ..fleet.measure import device_fields, measure_device, random_llama, sync
 from ..fleet.model import forward_ms
 from ..fleet.shapes import SHAPES, ModelShape
 from ..train.calibrate import measure_verify_grid
@@ -100,10 +100,9 @@ def run(out_dir: Path, tiny: bool) -> dict:
     logger.info("gpu check on %s (%s), %s", device, name, dtype)
     result = {"device": str(device), "device_name": name, "dtype": str(dtype), "tiny": tiny}
     t0 = time.perf_counter()
-    result["device_row"] = measure_device(dtype, device, 32, 12, quick=tiny)
+    result["device_row"] = measure_device(shapes(tiny)["llama-2-7b"], dtype, device, 12, quick=tiny)
     logger.info("device row: %s (%.0f s)", result["device_row"], time.perf_counter() - t0)
-    row = {k: v for k, v in result["device_row"].items() if not k.startswith("tiny_")}
-    measured = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0, **row)
+    measured = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0, **device_fields(result["device_row"]))
     batches, positions = ((1, 2, 4), (1, 2, 4)) if tiny else (BATCHES, POSITIONS)
     context, repeat, depths = (32, 2, (1, 2)) if tiny else (256, 7, (2, 4))
     result["verify"] = {}

@@ -19,7 +19,7 @@ from ..build import build_engine, load_profile, load_target, set_threads
 from ..config import DraftConfig, EngineConfig, SpecConfig, TargetConfig
 from ..core.engine import GenerationRequest
 from ..fleet.hardware import DEVICES
-from ..fleet.measure import measure_device
+from ..fleet.measure import device_fields, measure_device
 from ..fleet.model import DTYPE_BYTES, Replica, mat
 from ..fleet.plan import draft_shape_of, model_shape
 from .machine import machine_info
@@ -68,8 +68,8 @@ def run_check(run: PlanCheck) -> dict:
                        num_threads=run.threads)
     target = load_target(cfg, device="cpu")
     shape, (dshape, depth) = model_shape(run.target), draft_shape_of(run.draft)
-    measured = measure_device(dtype, torch.device("cpu"), shape.layers, depth, quick=run.quick)
-    dev = DEVICES["this-cpu"].at(**{k: v for k, v in measured.items() if not k.startswith("tiny_")})
+    measured = measure_device(shape, dtype, torch.device("cpu"), depth, quick=run.quick)
+    dev = DEVICES["this-cpu"].at(**device_fields(measured))
     profile = load_profile(cfg) or {}
     agree = float(profile.get("on_path", {}).get("s2d_agree", 0.0))
     k = int(profile.get("k", 5))

@@ -21,6 +21,7 @@ def register(sub) -> None:
     p.add_argument("--profile", type=Path, default=None, help="calibration profile to read the agreement from")
     p.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
     p.add_argument("--json", action="store_true", help="print the whole model as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="also write a PNG (tok/s per GPU by batch, GPUs by rate)")
     p.set_defaults(func=run_plan)
 
 
@@ -34,6 +35,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.config.is_file():
         raise ValueError(f"{args.config} does not exist")
     result = plan(args.config, device(args.device), args.rate, args.tokens, args.agree, args.profile, args.context)
+    if args.plot:
+        from .plot import plot_fleet
+
+        plot_fleet(args.config, device(args.device), args.plot)
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
         return 0

@@ -19,7 +19,7 @@ class Device:
     memory_gb: float
     bandwidth_eff: float = 0.8  # share of peak bandwidth a decode GEMV reaches
     flops_eff: float = 0.6  # share of peak FLOP/s the verify GEMMs reach
-    layer_overhead_ms: float = 0.05  # per decoder layer per forward, beyond its roofline time
+    layer_overhead_ms: float = 0.3  # per decoder layer per forward beyond its roofline (eager HF layers: launch-bound)
     forward_overhead_ms: float = 0.3  # per forward: embedding, mask, rotary, the verifier's bookkeeping
     round_overhead_ms: float = 1.0  # engine per round outside forwards (sampling, bookkeeping, host syncs)
     draft_depth_overhead_ms: float = 0.3  # drafter per depth beyond its forward (exit checks, sampling)

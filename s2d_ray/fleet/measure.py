@@ -1,8 +1,9 @@
 """Measure a device's row of the hardware table: effective bandwidth and FLOP/s, and the fixed costs a roofline
 misses, each with a model whose shapes isolate it. Works on CPU and CUDA (`scripts/gpu_check.sh` runs it there).
 
-- bandwidth: a weight-streaming matrix-vector product (what a decode step is), bytes of the matrix / time;
-- FLOP/s: a large matrix product in the serving dtype;
+- bandwidth: the matmuls of one forward of the model as matrix-vector products (the weights stream from memory,
+  as in a decode step; at the model's own widths, since small matrices run below a big one's rate on a CPU);
+- FLOP/s: the same matmuls over 256 rows (compute-bound, as in a wide verification);
 - overheads: the engine on Llama models of tiny width (their roofline time is ~0), so what remains is per-layer
   launch/Python cost, per-forward fixed cost, the engine's per-round work and the drafter's per-depth work.
 """
@@ -47,22 +48,31 @@ def random_llama(shape: ModelShape, layers: int, dtype: torch.dtype, device: tor
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def bandwidth_gbs(dtype: torch.dtype, device: torch.device, mbytes: int = 256, repeat: int = 10) -> float:
-    """GB/s of a [1, cols] x [rows, cols]^T product over a matrix of `mbytes` MB."""
-    cols = 4096
-    rows = max(mbytes * 2**20 // (cols * torch.finfo(dtype).bits // 8), 1)
-    w = torch.randn(rows, cols, device=device).to(dtype)
-    x = torch.randn(1, cols, device=device).to(dtype)
-    ms = median_ms(lambda: torch.nn.functional.linear(x, w), device, repeat)
-    return w.numel() * w.element_size() / (ms * 1e-3) / 1e9
+def forward_matrices(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Random [out, in] weights of every matmul one forward of `shape` runs (all layers, then the LM head)."""
+    h, q, kv, m = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    layer = [(q, h), (kv, h), (kv, h), (h, q), (m, h), (m, h), (h, m)]
+    dims = layer * shape.layers + [(shape.head_rows or shape.vocab, h)]
+    return [torch.randn(o, i, device=device).to(dtype) for o, i in dims]
 
 
-def matmul_tflops(dtype: torch.dtype, device: torch.device, m: int = 512, k: int = 4096, n: int = 4096,
-                  repeat: int = 5) -> float:
-    a = torch.randn(m, k, device=device).to(dtype)
-    b = torch.randn(n, k, device=device).to(dtype)
-    ms = median_ms(lambda: torch.nn.functional.linear(a, b), device, repeat)
-    return 2 * m * k * n / (ms * 1e-3) / 1e12
+def matmul_rates(shape: ModelShape, dtype: torch.dtype, device: torch.device, tokens: int = 256,
+                 repeat: int = 10) -> tuple[float, float]:
+    """(GB/s, TFLOP/s) of the matmuls of one forward of `shape`: as matrix-vector products (1 token: the weights
+    stream from memory, as in a decode step) and as products with `tokens` rows (compute-bound, as in a wide
+    verification). Only the matmuls: attention, norms and per-op overheads are measured apart."""
+    mats = forward_matrices(shape, dtype, device)
+    inputs = {n: {w.shape[1]: torch.randn(n, w.shape[1], device=device).to(dtype) for w in mats} for n in (1, tokens)}
+
+    def stream(n: int) -> None:
+        for w in mats:
+            torch.nn.functional.linear(inputs[n][w.shape[1]], w)
+
+    nbytes = sum(w.numel() * w.element_size() for w in mats)
+    gemv_ms = median_ms(lambda: stream(1), device, repeat)
+    gemm_ms = median_ms(lambda: stream(tokens), device, max(repeat // 2, 2))
+    flops = 2 * tokens * sum(w.numel() for w in mats)
+    return nbytes / (gemv_ms * 1e-3) / 1e9, flops / (gemm_ms * 1e-3) / 1e12
 
 
 def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_layers: int = 6, context: int = 256,
@@ -110,10 +120,17 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
             "tiny_forward_ms": fwd, "tiny_round_ms": round_ms, "tiny_draft_depth_ms": depth_ms}
 
 
-def measure_device(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_layers: int = 6,
+def measure_device(shape: ModelShape, dtype: torch.dtype, device: torch.device, draft_layers: int = 6,
                    quick: bool = False) -> dict:
-    """The measured fields of a `Device` row (see hardware.py) in the serving dtype."""
-    out = {"bandwidth_gbs": bandwidth_gbs(dtype, device, 64 if quick else 256),
-           "tflops": matmul_tflops(dtype, device, *((64, 512, 512) if quick else (512, 4096, 4096)))}
-    out.update(overheads(dtype, device, layers, draft_layers, 32 if quick else 256, 3 if quick else 10))
+    """The measured fields of a `Device` row (see hardware.py) in the serving dtype, on `shape`'s matmuls."""
+    bandwidth, tflops = matmul_rates(shape, dtype, device, 16 if quick else 256, 3 if quick else 10)
+    out = {"bandwidth_gbs": bandwidth, "tflops": tflops, "measured_on": shape.name}
+    out.update(overheads(dtype, device, shape.layers, draft_layers, 32 if quick else 256, 3 if quick else 10))
     return out
+
+
+def device_fields(measured: dict) -> dict:
+    """The entries of `measure_device`'s result that are `Device` fields."""
+    keep = ("bandwidth_gbs", "tflops", "layer_overhead_ms", "forward_overhead_ms", "round_overhead_ms",
+            "draft_depth_overhead_ms")
+    return {k: measured[k] for k in keep}

@@ -95,3 +95,21 @@ def test_plan_check_prediction_with_a_measured_mat():
     rep = Replica(SHAPES["smollm2-135m"], UNIT, draft=SHAPES["smollm2-135m"].with_layers(6), agree=0.4)
     assert predict(rep, 8, 2) == pytest.approx(rep.tokens_per_s(8, 2))
     assert predict(rep, 8, 2, 2.5) == pytest.approx(1e3 * 8 * 2.5 / rep.round_ms(8, 2))
+
+
+def test_plan_check_runs_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
+    """The bench command's plumbing (timings are not asserted): every (mode, batch) row, errors = predicted / measured
+    - 1, and the draft's measured MAT reaches the second S2D prediction."""
+    rc = main(["bench", "plan-check", "--target", str(tiny_llama_dir), "--draft", f"cut:{tiny_llama_dir}:1",
+               "--dtype", "float32", "--tokens", "6", "--batches", "1,2", "--repeats", "1", "--quick",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "plan_check.json").read_text())
+    assert [(row["mode"], row["batch"]) for row in r["rows"]] == [("ar", 1), ("s2d", 1), ("ar", 2), ("s2d", 2)]
+    for row in r["rows"]:
+        assert row["error"] == pytest.approx(row["predicted_tps"] / row["measured_tps"] - 1)
+        assert row["measured_tps"] > 0 and row["predicted_tps"] > 0
+    s2d = r["rows"][1]
+    assert s2d["measured_mat"] >= 1 and "predicted_tps_measured_mat" in s2d
+    assert r["device_measured"]["bandwidth_gbs"] > 0 and r["device_measured"]["layer_overhead_ms"] >= 0
+    assert "Largest error" in capsys.readouterr().out
