@@ -134,6 +134,8 @@ def _register_plan_check(bench) -> None:
     p.add_argument("--batches", type=_ints, default=[1, 8], help="batch sizes, e.g. 1,8")
     p.add_argument("--repeats", type=int, default=3, help="runs per (mode, batch); the median tok/s is kept")
     p.add_argument("--quick", action="store_true", help="small device measurements (tests)")
+    p.add_argument("--prompts", choices=["heldout", "specbench"], default="heldout",
+                   help="held-out instructions (the profile's own distribution) or Spec-Bench questions")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/plan-check-<time>)")
     p.set_defaults(func=run_plan_check)
 
@@ -144,7 +146,7 @@ def run_plan_check(args: argparse.Namespace) -> int:
     if min(args.threads, args.tokens, args.repeats, *args.batches) < 1:
         raise ConfigError("--threads, --tokens, --repeats and --batches must be >= 1")
     result = run_check(PlanCheck(args.target, args.draft, args.dtype, args.threads, args.tokens,
-                                 tuple(args.batches), args.repeats, args.quick))
+                                 tuple(args.batches), args.repeats, args.quick, args.prompts))
     return _write_report(args.out or _default_out("plan-check"), "plan_check", result, check_markdown(result))
 
 

@@ -10,7 +10,8 @@ run's own measured MAT, so the cost model's error and the acceptance model's err
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from pathlib import Path
+from dataclasses import dataclass, replace
 from statistics import median
 
 import torch
@@ -20,12 +21,15 @@ from ..config import DraftConfig, EngineConfig, SpecConfig, TargetConfig
 from ..core.engine import GenerationRequest
 from ..fleet.hardware import DEVICES
 from ..fleet.measure import device_fields, measure_device
-from ..fleet.model import DTYPE_BYTES, Replica, mat
+from ..fleet.model import DTYPE_BYTES, Replica, forward_ms, mat
 from ..fleet.plan import draft_shape_of, model_shape
 from .machine import machine_info
+from ..prompts import encode_messages
+from ..train.data import messages_of
 from .steps import bench_prompts
 
 MAX_ERROR = 0.15
+HELDOUT = Path("/work/shared/data/train/instructions.jsonl")  # calibrate's default --data
 
 
 @dataclass
@@ -38,26 +42,52 @@ class PlanCheck:
     batches: tuple[int, ...] = (1, 8)
     repeats: int = 3
     quick: bool = False
+    prompts: str = "heldout"  # heldout: the calibration set's distribution; specbench: other prompts
 
 
-def predict(rep: Replica, batch: int, k: int, measured_mat: float | None = None) -> float:
-    """Tokens/s of one replica at this batch and draft length; with `measured_mat`, that MAT replaces the model's."""
-    if measured_mat is None:
-        return rep.tokens_per_s(batch, k)
-    return 1e3 * batch * measured_mat / rep.round_ms(batch, k)
+def predict(rep: Replica, groups: list[list[int]], k: int, tokens: int, measured_mat: float | None = None) -> float:
+    """Tokens/s of batches run one after another (`groups`: each batch's prompt lengths), each generating `tokens`
+    per row after a prefill as wide as its longest prompt (as the engine pads it; the draft prefills too when it
+    drafts), decoding at context prompt + tokens / 2; with `measured_mat`, that MAT replaces the model's."""
+    m = mat(rep.agree, k) if measured_mat is None else measured_mat
+    total_ms = 0.0
+    for lengths in groups:
+        batch, width = len(lengths), max(lengths)
+        at = replace(rep, context=int(sum(lengths) / batch + tokens / 2))
+        total_ms += forward_ms(at.target.shard(at.tp), at.dev, batch, width, 0, at.dtype_bytes)
+        if k and at.draft is not None:
+            total_ms += forward_ms(at.draft, at.dev, batch, width, 0, at.dtype_bytes,
+                                   int(at.draft_depth or at.draft.layers))
+        total_ms += tokens / m * at.round_ms(batch, k)
+    return 1e3 * tokens * sum(len(g) for g in groups) / total_ms
 
 
-def run_engine(built, prompts: list[list[int]], tokens: int, repeats: int) -> tuple[float, float]:
-    """Median tokens/s over repeats of one batch (all prompts together), and the run's mean acceptance length."""
+def check_prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
+    """Chat-templated first turns: held-out instructions (the calibration profile's own distribution, so its
+    acceptance applies) or Spec-Bench questions (how acceptance transfers to other prompts)."""
+    if kind == "specbench":
+        return bench_prompts(tokenizer, None, n)
+    from ..train.selfdistill import pick_rows
+
+    rows = pick_rows(HELDOUT, n, 0, "heldout", {"gsm8k_train": 0.25})
+    if len(rows) < n:
+        raise ValueError(f"{HELDOUT} has fewer than {n} held-out instructions")
+    return [encode_messages(tokenizer, [m for m in messages_of(r) if m["role"] == "user"][:1]) for r in rows]
+
+
+def run_engine(built, groups: list[list[list[int]]], tokens: int, repeats: int) -> tuple[float, float]:
+    """Median tokens/s over repeats of running every group as one batch, one group after another, and the mean
+    acceptance length of the run."""
     engine = built.engine
-    engine.generate([GenerationRequest("warm", prompts[0], 4)])
+    engine.generate([GenerationRequest("warm", groups[0][0], 4)])
     rates, mats = [], []
     for r in range(repeats):
-        reqs = [GenerationRequest(f"r{r}-{i}", p, tokens) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        out = engine.generate(reqs)
-        rates.append(sum(len(o.token_ids) for o in out) / (time.perf_counter() - t0))
-        mats += [o.metrics["mean_acceptance_length"] for o in out]
+        t0, n = time.perf_counter(), 0
+        for g, prompts in enumerate(groups):
+            out = engine.generate([GenerationRequest(f"r{r}-{g}-{i}", p, tokens) for i, p in enumerate(prompts)])
+            n += sum(len(o.token_ids) for o in out)
+            mats += [o.metrics["mean_acceptance_length"] for o in out]
+        rates.append(n / (time.perf_counter() - t0))
     return median(rates), sum(mats) / len(mats)
 
 
@@ -73,35 +103,49 @@ def run_check(run: PlanCheck) -> dict:
     profile = load_profile(cfg) or {}
     agree = float(profile.get("on_path", {}).get("s2d_agree", 0.0))
     k = int(profile.get("k", 5))
-    prompts = bench_prompts(target.tokenizer, None, max(run.batches))
-    context = int(sum(len(p) for p in prompts) / len(prompts) + run.tokens / 2)
-    rep = Replica(shape, dev, draft=dshape, draft_depth=depth, agree=agree, context=context,
-                  dtype_bytes=DTYPE_BYTES[run.dtype])
+    prompts = check_prompts(target.tokenizer, run.prompts, max(run.batches))
+    base = Replica(shape, dev, draft=dshape, draft_depth=depth, agree=agree, dtype_bytes=DTYPE_BYTES[run.dtype])
     engines = {"ar": build_engine(cfg.model_copy(update={"spec": SpecConfig(mode="ar")}), target),
                "s2d": build_engine(cfg.model_copy(update={"spec": SpecConfig(mode="s2d", policy="fixed", k=k)}),
                                    target)}
     rows = []
-    for batch in run.batches:
+    for batch in run.batches:  # every batch size runs the same prompts: groups of `batch`
+        groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+        lengths = [[len(p) for p in g] for g in groups]
         for mode, built in engines.items():
-            tps, mat_run = run_engine(built, prompts[:batch], run.tokens, run.repeats)
+            tps, mat_run = run_engine(built, groups, run.tokens, run.repeats)
             kk = 0 if mode == "ar" else k
-            pred = predict(rep, batch, kk)
-            row = {"mode": mode, "batch": batch, "k": kk, "measured_tps": tps, "predicted_tps": pred,
-                   "error": pred / tps - 1, "measured_mat": mat_run, "predicted_mat": mat(agree, kk)}
+            pred = predict(base, lengths, kk, run.tokens)
+            row = {"mode": mode, "batch": batch, "k": kk, "prompt_lengths": lengths,
+                   "measured_tps": tps, "predicted_tps": pred, "error": pred / tps - 1, "measured_mat": mat_run, "predicted_mat": mat(agree, kk)}
             if mode == "s2d":
-                row["predicted_tps_measured_mat"] = predict(rep, batch, kk, mat_run)
+                row["predicted_tps_measured_mat"] = predict(base, lengths, kk, run.tokens, mat_run)
                 row["error_measured_mat"] = row["predicted_tps_measured_mat"] / tps - 1
             rows.append(row)
     return {"machine": machine_info(), "run": run.__dict__, "device_measured": measured, "agree": agree, "k": k,
-            "context": context, "rows": rows, "max_abs_error": max(abs(r["error"]) for r in rows)}
+            "rows": rows, "max_abs_error": max(abs(r["error"]) for r in rows),
+            "verify_grid": grid_errors(base, profile)}
+
+
+def grid_errors(rep: Replica, profile: dict) -> dict | None:
+    """The model's verify costs against the profile's calibrated grid (measured at its own context, by calibrate)."""
+    grid = (profile.get("costs_ms") or {}).get("verify_grid")
+    if not grid:
+        return None
+    context = int((profile.get("costs_measured") or {}).get("context", 256))
+    at = replace(rep, context=context)  # the grid's own context
+    errors = {b: {n: at.verify_ms(int(b), int(n)) / ms - 1 for n, ms in row.items()} for b, row in grid.items()}
+    flat = [abs(e) for row in errors.values() for e in row.values()]
+    return {"context": context, "errors": errors, "mean_abs_error": sum(flat) / len(flat), "max_abs_error": max(flat)}
 
 
 def check_markdown(r: dict) -> str:
     m = r["device_measured"]
     lines = [f"This CPU, {r['run']['threads']} thread(s), {r['run']['dtype']}: bandwidth {m['bandwidth_gbs']:.1f} GB/s, "
-             f"{m['tflops'] * 1e3:.0f} GFLOP/s, {m['layer_overhead_ms']:.3f} ms/layer, {m['forward_overhead_ms']:.3f} "
-             f"ms/forward, {m['round_overhead_ms']:.3f} ms/round, {m['draft_depth_overhead_ms']:.3f} ms/draft depth; "
-             f"agreement {r['agree']:.3f} (profile), k {r['k']}, context ~{r['context']}.", "",
+             f"{m['tflops'] * 1e3:.0f} GFLOP/s (peak {m['peak_tflops'] * 1e3:.0f}), {m['layer_overhead_ms']:.3f} "
+             f"ms/layer, {m['forward_overhead_ms']:.3f} ms/forward, {m['row_overhead_ms']:.3f} ms/row, "
+             f"{m['round_overhead_ms']:.3f} ms/round, {m['draft_depth_overhead_ms']:.3f} ms/draft depth; "
+             f"agreement {r['agree']:.3f} (profile), k {r['k']}, {r['run']['prompts']} prompts; predictions include the prefill.", "",
              "| mode | batch | k | measured tok/s | predicted tok/s | error | MAT measured / modelled | "
              "predicted with measured MAT (error) |", "|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
@@ -112,4 +156,11 @@ def check_markdown(r: dict) -> str:
                      f"{row['predicted_mat']:.2f} | {extra} |")
     verdict = "within" if r["max_abs_error"] <= MAX_ERROR else "OUTSIDE"
     lines += ["", f"Largest error {r['max_abs_error']:.1%}: {verdict} the {MAX_ERROR:.0%} target."]
+    g = r.get("verify_grid")
+    if g:
+        cols = list(next(iter(g["errors"].values())))
+        lines += ["", f"One target forward, model / calibrated grid - 1 (context {g['context']}; mean |error| "
+                      f"{g['mean_abs_error']:.1%}, max {g['max_abs_error']:.1%}):", "",
+                  "| B \\ n | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {b} | " + " | ".join(f"{row[c]:+.0%}" for c in cols) + " |" for b, row in g["errors"].items()]
     return "\n".join(lines) + "\n"

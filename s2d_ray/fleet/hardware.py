@@ -21,8 +21,13 @@ class Device:
     flops_eff: float = 0.6  # share of peak FLOP/s the verify GEMMs reach
     layer_overhead_ms: float = 0.3  # per decoder layer per forward beyond its roofline (eager HF layers: launch-bound)
     forward_overhead_ms: float = 0.3  # per forward: embedding, mask, rotary, the verifier's bookkeeping
+    row_overhead_ms: float = 0.02  # per extra row per forward (row gathers, per-row mask and bookkeeping)
+    overlap: bool = True  # compute hides under the weight stream (roofline max); False: they add (one CPU core)
     round_overhead_ms: float = 1.0  # engine per round outside forwards (sampling, bookkeeping, host syncs)
+    round_row_overhead_ms: float = 0.05  # engine per extra row per round outside forwards
     draft_depth_overhead_ms: float = 0.3  # drafter per depth beyond its forward (exit checks, sampling)
+    spec_round_overhead_ms: float = 0.5  # a speculative round beyond its forwards (acceptance, draft catch-up)
+    spec_row_overhead_ms: float = 0.05  # the same, per extra row
     measured: bool = False
     source: str = ""
 
@@ -40,7 +45,8 @@ DEVICES: dict[str, Device] = {
     "h200": Device("h200", 4800, 989, 141, source=_GPU),
     # This machine, 1 torch thread, bf16 (AVX512-BF16), measured by `s2d bench plan-check` (see BENCHMARKS.md).
     "this-cpu": Device("this-cpu", 12.0, 0.2, 8, bandwidth_eff=1.0, flops_eff=1.0, layer_overhead_ms=0.25,
-                       round_overhead_ms=1.0, measured=True, source="s2d bench plan-check, 1 thread, bf16"),
+                       round_overhead_ms=1.0, overlap=False, measured=True,
+                       source="s2d bench plan-check, 1 thread, bf16"),
 }
 
 

@@ -3,7 +3,9 @@ misses, each with a model whose shapes isolate it. Works on CPU and CUDA (`scrip
 
 - bandwidth: the matmuls of one forward of the model as matrix-vector products (the weights stream from memory,
   as in a decode step; at the model's own widths, since small matrices run below a big one's rate on a CPU);
-- FLOP/s: the same matmuls over 256 rows (compute-bound, as in a wide verification);
+- FLOP/s: the same matmuls over 256 rows (the peak, which GPUs overlap with the weight stream); on a CPU core,
+  which streams and computes in turn, the marginal rate of extra tokens through two real layers of the model's
+  shape (random weights), so attention and elementwise work count at their real share;
 - overheads: the engine on Llama models of tiny width (their roofline time is ~0), so what remains is per-layer
   launch/Python cost, per-forward fixed cost, the engine's per-round work and the drafter's per-depth work.
 """
@@ -56,31 +58,54 @@ def forward_matrices(shape: ModelShape, dtype: torch.dtype, device: torch.device
     return [torch.randn(o, i, device=device).to(dtype) for o, i in dims]
 
 
-def matmul_rates(shape: ModelShape, dtype: torch.dtype, device: torch.device, tokens: int = 256,
-                 repeat: int = 10) -> tuple[float, float]:
-    """(GB/s, TFLOP/s) of the matmuls of one forward of `shape`: as matrix-vector products (1 token: the weights
-    stream from memory, as in a decode step) and as products with `tokens` rows (compute-bound, as in a wide
-    verification). Only the matmuls: attention, norms and per-op overheads are measured apart."""
+def matmul_rates(shape: ModelShape, dtype: torch.dtype, device: torch.device, tokens: int = 256, few: int = 16,
+                 repeat: int = 10) -> dict:
+    """The matmuls of one forward of `shape`: GB/s as matrix-vector products (1 token: the weights stream from
+    memory, as in a decode step); peak TFLOP/s with `tokens` rows (compute-bound); and the marginal TFLOP/s of
+    going from 1 to `few` rows (what each extra verified token costs where compute does not hide under the weight
+    stream, as on one CPU core). Only the matmuls: attention, norms and per-op overheads are measured apart."""
     mats = forward_matrices(shape, dtype, device)
-    inputs = {n: {w.shape[1]: torch.randn(n, w.shape[1], device=device).to(dtype) for w in mats} for n in (1, tokens)}
+    sizes = (1, few, tokens)
+    inputs = {n: {w.shape[1]: torch.randn(n, w.shape[1], device=device).to(dtype) for w in mats} for n in sizes}
 
     def stream(n: int) -> None:
         for w in mats:
             torch.nn.functional.linear(inputs[n][w.shape[1]], w)
 
-    nbytes = sum(w.numel() * w.element_size() for w in mats)
-    gemv_ms = median_ms(lambda: stream(1), device, repeat)
-    gemm_ms = median_ms(lambda: stream(tokens), device, max(repeat // 2, 2))
-    flops = 2 * tokens * sum(w.numel() for w in mats)
-    return nbytes / (gemv_ms * 1e-3) / 1e9, flops / (gemm_ms * 1e-3) / 1e12
+    params = sum(w.numel() for w in mats)
+    ms = {n: median_ms(lambda n=n: stream(n), device, repeat if n < tokens else max(repeat // 2, 2)) for n in sizes}
+    return {"bandwidth_gbs": params * mats[0].element_size() / (ms[1] * 1e-3) / 1e9,
+            "peak_tflops": 2 * tokens * params / (ms[tokens] * 1e-3) / 1e12,
+            "marginal_tflops": 2 * (few - 1) * params / (max(ms[few] - ms[1], 1e-6) * 1e-3) / 1e12}
+
+
+def token_tflops(shape: ModelShape, dtype: torch.dtype, device: torch.device, context: int = 256, few: int = 16,
+                 layers: int = 2, repeat: int = 10) -> float:
+    """The marginal rate of extra tokens through real decoder layers of `shape` (random weights, `layers` of them,
+    our verifier and cache): modelled FLOPs of `few` positions over one, per second of their time difference. It
+    includes what the FLOP count leaves out (attention kernels, norms, activations), at their real proportions."""
+    from ..core.target import TargetVerifier
+    from ..core.types import ScoreRequest
+
+    model = random_llama(shape, layers, dtype, device)
+    verifier = TargetVerifier(model)
+    ctx = [(13 * i) % (shape.vocab - 3) + 3 for i in range(context)]
+    verifier.score([ScoreRequest("t", ctx, 1)])
+    extra = ctx[:few]
+    one = median_ms(lambda: verifier.score([ScoreRequest("t", ctx + extra[:1], 1)]), device, repeat)
+    many = median_ms(lambda: verifier.score([ScoreRequest("t", ctx + extra, few)]), device, repeat)
+    flops = shape.forward_flops(1, few, context, layers) - shape.forward_flops(1, 1, context, layers)
+    return flops / (max(many - one, 1e-6) * 1e-3) / 1e12
 
 
 def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_layers: int = 6, context: int = 256,
               repeat: int = 10) -> dict:
-    """ms per layer per forward, per forward, per engine round (outside forwards) and per draft depth, measured on
-    models of tiny width (hidden 64) with the real layer counts."""
+    """ms per layer per forward, per forward, per extra row of a forward, per engine round and per extra row of it
+    (outside forwards), per draft depth, and per speculative round and row beyond its forwards (acceptance,
+    the draft's catch-up), measured on models of tiny width (hidden 64) with the real layer counts."""
     from ..core.draft import SortedDraft, SortedDrafter
     from ..core.engine import GenerationRequest, SpecEngine
+    from ..core.policy import FixedK
     from ..core.target import TargetVerifier
     from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 
@@ -95,14 +120,11 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
         fwd[n] = median_ms(lambda: verifier.score([ScoreRequest("s", ctx + [5], 1)]), device, repeat)
     per_layer = max((fwd[layers] - fwd[lo]) / (layers - lo), 0.0)
     fixed = max(fwd[lo] - lo * per_layer, 0.0)
-    gen = 32
-    engine = SpecEngine(TargetVerifier(model))
-    engine.generate([GenerationRequest("w", ctx, 4)])
-
-    def rounds() -> None:
-        engine.generate([GenerationRequest("g", ctx, gen)])
-
-    round_ms = median_ms(rounds, device, max(repeat // 3, 3), warmup=1) / gen
+    rows = 8
+    for i in range(rows):
+        verifier.score([ScoreRequest(f"r{i}", ctx, 1)])
+    wide = median_ms(lambda: verifier.score([ScoreRequest(f"r{i}", ctx + [5], 1) for i in range(rows)]), device, repeat)
+    per_row = max((wide - fwd[layers]) / (rows - 1), 0.0)
     draft = SortedDraft.cut(model, "tiny", draft_layers, [draft_layers])
     drafter = SortedDrafter(draft)
     k = 8
@@ -114,23 +136,54 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
         drafter.propose(flips[calls[0] % 2])
 
     depth_ms = median_ms(propose, device, repeat) / k
-    return {"layer_overhead_ms": per_layer, "forward_overhead_ms": fixed,
-            "round_overhead_ms": max(round_ms - fwd[layers], 0.0),
+
+    def round_ms(spec: bool, batch: int, gen: int = 24) -> float:
+        """ms per engine round: `batch` rows decoding together, plain or with k = 1 drafts (the tiny model's
+        acceptance does not matter: time is divided by the rounds actually run)."""
+        engine = SpecEngine(TargetVerifier(model), SortedDrafter(draft) if spec else None, policy=FixedK(1))
+        engine.generate([GenerationRequest("w", ctx, 4)])
+        per_round = []
+        for r in range(max(repeat // 3, 3)):
+            t0 = time.perf_counter()
+            res = engine.generate([GenerationRequest(f"g{r}-{i}", ctx, gen) for i in range(batch)])
+            sync(device)
+            per_round.append(1e3 * (time.perf_counter() - t0) / max(x.metrics["num_target_forwards"] for x in res))
+        return median(per_round)
+
+    ar = {b: round_ms(False, b) for b in (1, rows)}
+    spec = {b: round_ms(True, b) for b in (1, rows)}
+    # What a round costs beyond its forwards (plain), and what drafting adds beyond its forwards (speculative).
+    round_ovh = max(ar[1] - fwd[layers], 0.0)
+    round_row = max((ar[rows] - ar[1]) / (rows - 1) - per_row, 0.0)
+    residual = {b: spec[b] - ar[b] - (depth_ms + (b - 1) * per_row) for b in (1, rows)}
+    spec_ovh = max(residual[1], 0.0)
+    spec_row = max((residual[rows] - residual[1]) / (rows - 1), 0.0)
+    return {"layer_overhead_ms": per_layer, "forward_overhead_ms": fixed, "row_overhead_ms": per_row,
+            "round_overhead_ms": round_ovh, "round_row_overhead_ms": round_row,
             "draft_depth_overhead_ms": max(depth_ms - fixed - draft_layers * per_layer, 0.0),
-            "tiny_forward_ms": fwd, "tiny_round_ms": round_ms, "tiny_draft_depth_ms": depth_ms}
+            "spec_round_overhead_ms": spec_ovh, "spec_row_overhead_ms": spec_row,
+            "tiny_forward_ms": fwd, "tiny_ar_round_ms": ar, "tiny_s2d_round_ms": spec, "tiny_draft_depth_ms": depth_ms}
+
 
 
 def measure_device(shape: ModelShape, dtype: torch.dtype, device: torch.device, draft_layers: int = 6,
                    quick: bool = False) -> dict:
     """The measured fields of a `Device` row (see hardware.py) in the serving dtype, on `shape`'s matmuls."""
-    bandwidth, tflops = matmul_rates(shape, dtype, device, 16 if quick else 256, 3 if quick else 10)
-    out = {"bandwidth_gbs": bandwidth, "tflops": tflops, "measured_on": shape.name}
+    out = matmul_rates(shape, dtype, device, 16 if quick else 256, 8 if quick else 16, 3 if quick else 10)
+    # Where compute overlaps the weight stream (GPUs) the roofline takes the peak; on a CPU core it adds up.
+    out["overlap"] = device.type == "cuda"
+    if not out["overlap"]:
+        out["token_tflops"] = token_tflops(shape, dtype, device, 32 if quick else 256, 8 if quick else 16,
+                                           repeat=3 if quick else 10)
+    out["tflops"] = out["peak_tflops"] if out["overlap"] else out["token_tflops"]
+    out["measured_on"] = shape.name
     out.update(overheads(dtype, device, shape.layers, draft_layers, 32 if quick else 256, 3 if quick else 10))
     return out
 
 
 def device_fields(measured: dict) -> dict:
     """The entries of `measure_device`'s result that are `Device` fields."""
-    keep = ("bandwidth_gbs", "tflops", "layer_overhead_ms", "forward_overhead_ms", "round_overhead_ms",
-            "draft_depth_overhead_ms")
+    keep = ("bandwidth_gbs", "tflops", "overlap", "layer_overhead_ms", "forward_overhead_ms", "row_overhead_ms",
+            "round_overhead_ms", "round_row_overhead_ms", "draft_depth_overhead_ms", "spec_round_overhead_ms",
+            "spec_row_overhead_ms")
     return {k: measured[k] for k in keep}

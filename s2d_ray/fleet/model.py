@@ -1,8 +1,10 @@
 """Roofline costs of forwards and rounds, and the throughput of a replica with or without speculation.
 
 A forward over B rows x n positions at context c on a device costs
-    max(bytes / (bandwidth x eff), flops / (peak x eff)) + layers x layer_overhead
-with bytes = weights read once + every row's KV, flops = 2 x weights x tokens + attention. A round costs the
+    max(bytes / (bandwidth x eff), flops / (peak x eff)) + layers x layer_overhead + forward + (B - 1) x row overheads
+with bytes = weights read once + every row's KV, flops = 2 x weights x tokens + attention. On a device whose
+compute does not overlap the weight stream (one CPU core), the two terms add instead: bytes / bandwidth covers one
+token per row, and every further token adds its FLOPs at the marginal rate. A round costs the
 target forward plus, with speculation, k draft depths (each one draft forward over B rows x 1 position), plus the
 engine's round overhead; it emits B x MAT tokens, where MAT(k) = (1 - a^(k+1)) / (1 - a) for a per-token
 agreement a (accepted drafts are a run of agreements, plus the target's own bonus token).
@@ -25,8 +27,13 @@ def forward_ms(shape: ModelShape, dev: Device, rows: int, positions: int, contex
     nbytes = shape.weight_bytes(dtype_bytes, n) + rows * context * shape.kv_bytes_per_token(dtype_bytes, n)
     flops = shape.forward_flops(rows, positions, context, n)
     memory_ms = 1e3 * nbytes / (dev.bandwidth_gbs * 1e9 * dev.bandwidth_eff)
-    compute_ms = 1e3 * flops / (dev.tflops * 1e12 * dev.flops_eff)
-    return max(memory_ms, compute_ms) + n * dev.layer_overhead_ms + dev.forward_overhead_ms
+    if dev.overlap:
+        compute_ms = 1e3 * flops / (dev.tflops * 1e12 * dev.flops_eff)
+        roofline = max(memory_ms, compute_ms)
+    else:  # the weight stream already computed one token per row; every other token adds its FLOPs
+        extra = flops - rows * shape.forward_flops(1, 1, context, n)
+        roofline = memory_ms + 1e3 * max(extra, 0.0) / (dev.tflops * 1e12 * dev.flops_eff)
+    return roofline + n * dev.layer_overhead_ms + dev.forward_overhead_ms + (rows - 1) * dev.row_overhead_ms
 
 
 def mat(agree: float, k: int) -> float:
@@ -69,8 +76,11 @@ class Replica:
     def round_ms(self, batch: int, k: int, draft_elsewhere: bool = False) -> float:
         """Target-GPU time of one round; a shared draft drafts on its own GPU (rounds of two batches interleave,
         so the target's GPU verifies one batch while the other drafts)."""
+        dev, extra_rows = self.dev, max(batch, 1) - 1
         drafting = 0.0 if (k == 0 or draft_elsewhere) else k * self.draft_ms(batch)
-        return drafting + self.verify_ms(batch, k + 1) + self.dev.round_overhead_ms
+        spec = 0.0 if k == 0 else dev.spec_round_overhead_ms + extra_rows * dev.spec_row_overhead_ms
+        return drafting + self.verify_ms(batch, k + 1) + dev.round_overhead_ms + extra_rows * dev.round_row_overhead_ms \
+            + spec
 
     def tokens_per_s(self, batch: int, k: int, draft_elsewhere: bool = False) -> float:
         return 1e3 * batch * mat(self.agree, k) / self.round_ms(batch, k, draft_elsewhere)

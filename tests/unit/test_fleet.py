@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,9 @@ from s2d_ray.fleet.shapes import SHAPES, ModelShape, known_shape
 
 GPU_YAML = Path(__file__).parents[2] / "deployments" / "gpu.yaml"
 UNIT = Device("unit", bandwidth_gbs=1.0, tflops=1.0, memory_gb=80, bandwidth_eff=1.0, flops_eff=1.0,
-              layer_overhead_ms=0.0, forward_overhead_ms=0.0, round_overhead_ms=0.0, draft_depth_overhead_ms=0.0)
+              layer_overhead_ms=0.0, forward_overhead_ms=0.0, row_overhead_ms=0.0, round_overhead_ms=0.0,
+              round_row_overhead_ms=0.0, draft_depth_overhead_ms=0.0, spec_round_overhead_ms=0.0,
+              spec_row_overhead_ms=0.0)
 
 
 def test_shapes_match_the_published_parameter_counts():
@@ -39,8 +42,13 @@ def test_roofline_is_the_slower_of_memory_and_compute_plus_overheads():
     flops = s.forward_flops(64, 64, 0)  # 64 rows x 64 positions, no cached context
     assert flops == 4096 * (2 * (2 * s.layer_params + 4 * 10 * 100 * 64) + 2 * 1000 * 1000)  # 2 layers + head
     assert forward_ms(s, UNIT, 64, 64, 0) == pytest.approx(1e3 * flops / 1e12)  # wide: compute-bound
-    slow = Device(**{**UNIT.__dict__, "layer_overhead_ms": 0.5, "forward_overhead_ms": 0.25})
-    assert forward_ms(s, slow, 4, 1, 100) == pytest.approx(forward_ms(s, UNIT, 4, 1, 100) + 2 * 0.5 + 0.25)
+    slow = Device(**{**UNIT.__dict__, "layer_overhead_ms": 0.5, "forward_overhead_ms": 0.25, "row_overhead_ms": 0.1})
+    assert forward_ms(s, slow, 4, 1, 100) == pytest.approx(forward_ms(s, UNIT, 4, 1, 100) + 2 * 0.5 + 0.25 + 3 * 0.1)
+    # One CPU core: the weight stream pays for one token per row; every further token adds its FLOPs.
+    core = Device(**{**UNIT.__dict__, "overlap": False})
+    extra = s.forward_flops(4, 3, 100) - 4 * s.forward_flops(1, 1, 100)
+    assert forward_ms(s, core, 4, 3, 100) == pytest.approx(1e3 * (weights + kv) / 1e9 + 1e3 * extra / 1e12)
+    assert forward_ms(s, core, 4, 1, 100) == pytest.approx(forward_ms(s, UNIT, 4, 1, 100))
 
 
 def test_mat_and_the_draft_length_that_pays():
@@ -54,6 +62,11 @@ def test_mat_and_the_draft_length_that_pays():
     # Tokens/s is batch x MAT over the round, and a shared draft takes drafting off the target's GPU.
     assert rep.tokens_per_s(8, 3) == pytest.approx(1e3 * 8 * mat(0.8, 3) / rep.round_ms(8, 3))
     assert rep.round_ms(8, 3) - rep.round_ms(8, 3, draft_elsewhere=True) == pytest.approx(3 * rep.draft_ms(8))
+    # Engine overheads: per round and per extra row, and what a speculative round adds (k > 0 only).
+    busy = Replica(target, Device(**{**h100.__dict__, "round_overhead_ms": 1.0, "round_row_overhead_ms": 0.1,
+                                     "spec_round_overhead_ms": 2.0, "spec_row_overhead_ms": 0.5}), draft=draft)
+    assert busy.round_ms(8, 0) - busy.verify_ms(8, 1) == pytest.approx(1.0 + 7 * 0.1)
+    assert busy.round_ms(8, 2) - busy.verify_ms(8, 3) - 2 * busy.draft_ms(8) == pytest.approx(1.7 + 2.0 + 7 * 0.5)
 
 
 def test_plan_of_the_gpu_fleet_adds_up():
@@ -92,9 +105,16 @@ def test_plan_cli_prints_json_and_rejects_bad_input(capsys):
 def test_plan_check_prediction_with_a_measured_mat():
     from s2d_ray.bench.plan_check import predict
 
-    rep = Replica(SHAPES["smollm2-135m"], UNIT, draft=SHAPES["smollm2-135m"].with_layers(6), agree=0.4)
-    assert predict(rep, 8, 2) == pytest.approx(rep.tokens_per_s(8, 2))
-    assert predict(rep, 8, 2, 2.5) == pytest.approx(1e3 * 8 * 2.5 / rep.round_ms(8, 2))
+    s = SHAPES["smollm2-135m"]
+    rep = Replica(s, UNIT, draft=s.with_layers(6), agree=0.4)
+    prefill = forward_ms(s, UNIT, 8, 50, 0) + forward_ms(s.with_layers(6), UNIT, 8, 50, 0)  # target, then draft
+    at = replace(rep, context=40 + 32)  # mean prompt + half the new tokens
+    group = [40, 30, 50, 40, 40, 40, 40, 40]  # prefill as wide as the longest prompt
+    assert predict(rep, [group], 2, 64) == pytest.approx(1e3 * 8 * 64 / (prefill + 64 / mat(0.4, 2) * at.round_ms(8, 2)))
+    assert predict(rep, [group], 2, 64, 2.5) == pytest.approx(1e3 * 8 * 64 / (prefill + 64 / 2.5 * at.round_ms(8, 2)))
+    one = forward_ms(s, UNIT, 1, 50, 0) + 64 * replace(rep, context=50 + 32).round_ms(1, 0)
+    two = forward_ms(s, UNIT, 1, 30, 0) + 64 * replace(rep, context=30 + 32).round_ms(1, 0)
+    assert predict(rep, [[50], [30]], 0, 64) == pytest.approx(1e3 * 2 * 64 / (one + two))  # batches in turn
 
 
 def test_plan_check_runs_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
@@ -102,7 +122,7 @@ def test_plan_check_runs_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, ca
     - 1, and the draft's measured MAT reaches the second S2D prediction."""
     rc = main(["bench", "plan-check", "--target", str(tiny_llama_dir), "--draft", f"cut:{tiny_llama_dir}:1",
                "--dtype", "float32", "--tokens", "6", "--batches", "1,2", "--repeats", "1", "--quick",
-               "--out", str(tmp_path)])
+               "--prompts", "specbench", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "plan_check.json").read_text())
     assert [(row["mode"], row["batch"]) for row in r["rows"]] == [("ar", 1), ("s2d", 1), ("ar", 2), ("s2d", 2)]
