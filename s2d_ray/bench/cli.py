@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
-from ..config import DEFAULT_TARGET
+from ..config import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 
@@ -131,7 +131,7 @@ def _register_plan_check(bench) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (the hardware row is measured at this)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
-    p.add_argument("--batches", type=_ints, default=[1, 8], help="batch sizes, e.g. 1,8")
+    p.add_argument("--batches", type=INTS, default=[1, 8], help="batch sizes, e.g. 1,8")
     p.add_argument("--repeats", type=int, default=3, help="runs per (mode, batch); the median tok/s is kept")
     p.add_argument("--quick", action="store_true", help="small device measurements (tests)")
     p.add_argument("--prompts", choices=["heldout", "specbench"], default="heldout",

@@ -49,8 +49,6 @@ class IdleSequences:
         return [s for s, t in self._seen.items() if t < cutoff]
 
 
-
-
 def release_all(holder: Any, seq_ids: list[str]) -> None:
     """Free each sequence's KV on a verifier or drafter (run on the model thread, like every model call)."""
     for seq_id in seq_ids:
