@@ -43,10 +43,13 @@ DEVICES: dict[str, Device] = {
     "a100": Device("a100", 2039, 312, 80, source=_GPU),
     "h100": Device("h100", 3350, 989, 80, source=_GPU),
     "h200": Device("h200", 4800, 989, 141, source=_GPU),
-    # This machine, 1 torch thread, bf16 (AVX512-BF16), measured by `s2d bench plan-check` (see BENCHMARKS.md).
-    "this-cpu": Device("this-cpu", 12.0, 0.2, 8, bandwidth_eff=1.0, flops_eff=1.0, layer_overhead_ms=0.25,
-                       round_overhead_ms=1.0, overlap=False, measured=True,
-                       source="s2d bench plan-check, 1 thread, bf16"),
+    # This machine, 1 torch thread, bf16 (AVX512-BF16), SmolLM2-135M shapes: `s2d bench plan-check`, 2026-11-30 16:38
+    # UTC, shared machine (load average 1.7-3). Compute and the weight stream add on one core (overlap=False).
+    "this-cpu": Device("this-cpu", 12.0, 0.313, 24, bandwidth_eff=1.0, flops_eff=1.0, layer_overhead_ms=0.292,
+                       forward_overhead_ms=0.248, row_overhead_ms=1.348, round_overhead_ms=0.412,
+                       round_row_overhead_ms=0.669, draft_depth_overhead_ms=0.0, spec_round_overhead_ms=2.082,
+                       spec_row_overhead_ms=0.0, overlap=False, measured=True,
+                       source="s2d bench plan-check, 1 thread, bf16, SmolLM2-135M shapes"),
 }
 
 

@@ -71,6 +71,13 @@ def draft_shape_of(source: str, exit_layers: list[int] | None = None) -> tuple[M
     return model_shape(source).with_layers(max(exit_layers)), max(exit_layers)
 
 
+def dtype_bytes(dtype: str, dev: Device) -> int:
+    """Bytes per weight of a config's dtype on this device (`auto` resolves as the replica would resolve it)."""
+    from ..dtypes import resolve_dtype
+
+    return DTYPE_BYTES[resolve_dtype(dtype, "cpu" if dev.overlap is False else "cuda")]
+
+
 def acceptance(profile_path: Path | None, agree: float | None) -> tuple[float, str]:
     """Per-token agreement of the draft with a target: given, or a calibration profile's measured one."""
     if agree is not None:
@@ -125,11 +132,11 @@ def plan(config: Path, dev: Device, rate: float, tokens: int | None = None, agre
     dshape, depth = draft_shape_of(app.draft.source, app.draft.exit_layers)
     draft_batch = app.draft.max_batch_size
     a, a_source = acceptance(profile, agree)
-    dtype_bytes = DTYPE_BYTES[app.draft.dtype]
-    shared_depth_ms = forward_ms(dshape, dev, draft_batch, 1, context, dtype_bytes, depth) + dev.draft_depth_overhead_ms
+    draft_bytes = dtype_bytes(app.draft.dtype, dev)
+    shared_depth_ms = forward_ms(dshape, dev, draft_batch, 1, context, draft_bytes, depth) + dev.draft_depth_overhead_ms
     targets, per_target_draft_bytes = [], 0
     for t in app.targets:
-        shape, tb = model_shape(t.resolved_source), DTYPE_BYTES[t.dtype]
+        shape, tb = model_shape(t.resolved_source), dtype_bytes(t.dtype, dev)
         common = dict(target=shape, dev=dev, tp=t.tp_size, context=context, dtype_bytes=tb, agree=a)
         rep_none = Replica(**common)
         rep_draft = Replica(**common, draft=dshape.shard(t.tp_size), draft_depth=depth)
@@ -138,7 +145,7 @@ def plan(config: Path, dev: Device, rate: float, tokens: int | None = None, agre
         kv_gb = row["batch"] * context * shape.shard(t.tp_size).kv_bytes_per_token(tb) / 1e9
         row["memory_gb_per_gpu"] = {"weights": round(weights_gb, 2), "kv": round(kv_gb, 2),
                                     "fits": weights_gb + kv_gb < dev.memory_gb * 0.9}
-        per_target_draft_bytes += row["fleets"]["per_target"]["replicas"] * dshape.weight_bytes(dtype_bytes)
+        per_target_draft_bytes += row["fleets"]["per_target"]["replicas"] * dshape.weight_bytes(draft_bytes)
         targets.append(row)
     totals = {}
     for fleet in ("none", "per_target", "shared"):
@@ -150,7 +157,7 @@ def plan(config: Path, dev: Device, rate: float, tokens: int | None = None, agre
                                 draft_weights_gb=round(per_target_draft_bytes / 1e9, 2))
     totals["shared"].update(draft_models=1, draft_training_runs=1,
                             draft_weights_gb=round(max(totals["shared"]["draft_gpus"], 1)
-                                                   * dshape.weight_bytes(dtype_bytes) / 1e9, 2))
+                                                   * dshape.weight_bytes(draft_bytes) / 1e9, 2))
     return {"config": str(config), "device": dev.__dict__, "rate_per_target": rate, "tokens_per_request": tokens,
             "context": context, "agree": a, "agree_source": a_source,
             "draft": {"shape": dshape.__dict__, "depth": depth, "max_batch_size": draft_batch,
