@@ -13,7 +13,7 @@ from ..core.draft import SortedDraft, SortedDrafter
 from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
 from .app_config import AppConfig
-from .replica import IdleSequences, ModelThread, replica_device, split_like
+from .replica import IdleSequences, ModelThread, split_like
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,6 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
         spec=cfg.spec, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code,
     )
     base = load_target(ecfg)
-    base.model.to(replica_device())
     return build_draft(ecfg, base, load_profile(ecfg))
 
 

@@ -49,11 +49,6 @@ class IdleSequences:
         return [s for s, t in self._seen.items() if t < cutoff]
 
 
-def replica_device() -> torch.device:
-    """The replica's GPU when Ray gave it one (Ray hides GPUs from actors with num_gpus=0), else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def release_all(holder: Any, seq_ids: list[str]) -> None:
     """Free each sequence's KV on a verifier or drafter (run on the model thread, like every model call)."""
     for seq_id in seq_ids:

@@ -12,7 +12,7 @@ from ..build import load_target, set_threads
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from .app_config import AppConfig
-from .replica import IdleSequences, ModelThread, release_all, replica_device, split_like
+from .replica import IdleSequences, ModelThread, release_all, split_like
 from .tp import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class TargetDeployment:
         if spec.tp_size > 1:
             self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s)
         else:
-            model = load_target(ecfg).model.to(replica_device())
+            model = load_target(ecfg).model
             self.backend = LocalTarget(TargetVerifier(model), cfg.num_threads)
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
         self.score.set_max_batch_size(spec.max_batch_size)

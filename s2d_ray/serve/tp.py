@@ -65,7 +65,7 @@ class TPWorker:
         import deepspeed  # heavy; only TP workers need it
         import torch.distributed as dist
 
-        loaded = load_target(self.ecfg)
+        loaded = load_target(self.ecfg, device="cpu")  # DeepSpeed moves each rank's shard to its GPU
         engine = deepspeed.init_inference(
             loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
             replace_with_kernel_inject=False,
