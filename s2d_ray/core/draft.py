@@ -214,6 +214,8 @@ class SortedDrafter:
         """Chains (a token per depth, sampled from q when sampling) or trees (`req.tree`: the argmax spine of depth k,
         each depth's next `width - 1` most probable tokens as sibling leaves, scored by path probability)."""
         states = self.table.sync_batch([(r.seq_id, r.tokens) for r in requests])
+        for st in states:  # the last token is always re-run: its logits start the draft (a retried round sends the
+            st.filled = [min(f, len(st.tokens) - 1) for f in st.filled]  # same tokens again, already all in KV)
         props = [Proposal([], None, [], [], []) if r.tree else Proposal.empty() for r in requests]
         spine = [(-1, 1.0)] * len(requests)  # per request: (last spine node, its path probability)
         live = [i for i, r in enumerate(requests) if r.k > 0]
