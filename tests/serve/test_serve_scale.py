@@ -19,7 +19,7 @@ import pytest
 
 from reliability_helpers import delete_app, deploy_app
 from serve_helpers import API_KEY, HTTP_TIMEOUT, wait_until
-from test_serve_soak import SPEC, check, plan, refs, run_phase  # noqa: F401  (refs is a fixture)
+from test_serve_soak import SPEC, check, plan, refs, run_job, run_phase  # noqa: F401  (refs is a fixture)
 
 pytestmark = pytest.mark.serve
 
@@ -144,3 +144,76 @@ def test_target_replica_killed_under_load_fails_cleanly_and_recovers(scale_app, 
                                      "recovered_s": round(time.monotonic() - started, 1)}))
     again = run_phase(scale_app.url, [j for j in plan(random.Random(10), refs, 40) if j.kind == "greedy"])[0]
     assert [why for o in again if (why := check(o))] == []
+
+
+AUTOSCALE_APP = "autoscale"
+# Short windows so a test sees both directions within a minute; deployments/autoscale.yaml uses the same shape.
+FAST = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 6.0}
+
+
+def replica_counts(app: str) -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
+
+
+def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_instance, tiny_family, refs):
+    """Router, draft and target autoscale (min 1, max 2) on ongoing requests: up during a run at concurrency 16,
+    down once it ends; requests running while replicas come and go lose nothing and stay exact."""
+    from s2d_ray.serve import build_app
+
+    def auto(target_ongoing: float) -> dict:
+        return {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                                       "target_ongoing_requests": target_ongoing, **FAST},
+                "num_cpus": 0.1, "health_check_period_s": 1.0}
+
+    cfg = {
+        # A router keeps about one round call in flight per deployment: 1.0 per replica scales them with the routers.
+        "targets": [{"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64", **auto(1.0)},
+                    {"name": "tiny-b", "source": str(tiny_family["b"]), "dtype": "float64", "max_context": 128,
+                     **auto(1.0)}],
+        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", **auto(1.0)},
+        "spec": SPEC,
+        "limits": {"max_tokens_limit": 64, "max_body_bytes": 8192, "max_concurrent_sequences": 8,
+                   "max_queued_requests": 64, "request_timeout_s": 120.0},
+        "api_key": API_KEY,
+        "router": auto(4.0),
+        "num_threads": 1,
+    }
+    app = deploy_app(build_app(cfg), AUTOSCALE_APP, serve_instance, cfg)
+    try:
+        rng = random.Random(11)
+        peak: dict[str, int] = {}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                for name, n in replica_counts(AUTOSCALE_APP).items():
+                    peak[name] = max(peak.get(name, 0), n)
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        started = time.monotonic()
+        loaded: list = []
+        scaled = ("router", "draft", "target-tiny-a")
+        while time.monotonic() - started < 90 and not all(peak.get(d, 0) >= 2 for d in scaled):
+            loaded += run_phase(app.url, [j for j in plan(rng, refs, 60) if j.kind == "greedy"])[0]
+        up_s = time.monotonic() - started
+        # Load drops to one client: replicas drain and go while its requests run.
+        quiet = []
+        while time.monotonic() - started < up_s + 60 and sum(replica_counts(AUTOSCALE_APP).values()) > 4:
+            quiet += [run_job(app.url, j) for j in plan(rng, refs, 6) if j.kind == "greedy"]
+        down_s = time.monotonic() - started - up_s
+        stop.set()
+        watcher.join()
+        final = replica_counts(AUTOSCALE_APP)
+        figures = {"peak": peak, "final": final, "up_s": round(up_s, 1), "down_s": round(down_s, 1),
+                   "requests_under_load": len(loaded), "requests_while_scaling_down": len(quiet)}
+        print("AUTOSCALE", json.dumps(figures))
+        assert [why for o in loaded + quiet if (why := check(o))] == []
+        assert all(peak[d] == 2 for d in scaled), figures
+        assert all(n == 1 for n in final.values()), figures
+    finally:
+        delete_app(AUTOSCALE_APP)
