@@ -106,6 +106,10 @@ class SlotKVCache:
             for t in store:
                 t[row, dst] = t[row, src_t]  # advanced indexing gathers a copy first: overlaps are safe
 
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (replica stats check them against the configured bound)."""
+        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store)
+
     @torch.no_grad()
     def clear_row(self, row: int) -> None:
         """Zero a freed row so no state of a finished request outlives it."""

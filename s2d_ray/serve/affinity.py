@@ -5,8 +5,8 @@ request router for the draft and target deployments ranks replicas by rendezvous
 rounds keep landing on one replica of each deployment, while different routers spread over the replicas; calls that
 meet on a replica still merge into one forward (`@serve.batch`). When the preferred replica is gone, draining, or its
 queue is full, the next in the ranking takes the call and rebuilds the sequence from its token prefix (always
-correct; counted as `s2d_recomputed_tokens_total`). `Affinity` is a router client's side: the key, and what an
-earlier round already computed, sent with each call so the replica can tell a recompute from new work.
+correct; counted as `s2d_recomputed_tokens_total`). The router clients' side (the key, what an earlier round already
+computed) is `scheduler.Affinity`, which needs no Ray.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from typing import Any
 from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import RequestRouter
-
-from ..core.stack import common_prefix
 
 
 def rendezvous_rank(key: str, replica_ids: list[str]) -> list[str]:
@@ -55,30 +53,3 @@ class SequenceAffinityRouter(RequestRouter):
 def affinity_router_config() -> dict[str, Any]:
     """`request_router_config` for the draft and target deployments."""
     return {"request_router_class": SequenceAffinityRouter}
-
-
-class Affinity:
-    """A router client's side of affinity for one deployment: the routing key its calls carry, and per live sequence
-    the tokens whose KV the deployment computed in the last successful round. `expected` is how many of a new call's
-    leading tokens that covers (what the replica holds if nothing moved); `record` counts what a replica reported
-    recomputing into `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
-
-    def __init__(self, key: str | None, deployment: str, counter: Any = None) -> None:
-        self.key, self.deployment, self.counter = key, deployment, counter
-        self.recomputed: dict[str, int] = {}  # replica -> tokens it recomputed for this client's calls
-        self._tokens: dict[str, list[int]] = {}
-
-    def expected(self, seq_id: str, tokens: list[int]) -> int:
-        done = self._tokens.get(seq_id)
-        return 0 if done is None else common_prefix(done, tokens)
-
-    def computed(self, seq_id: str, tokens: list[int]) -> None:
-        self._tokens[seq_id] = list(tokens)
-
-    def forget(self, seq_id: str) -> None:
-        self._tokens.pop(seq_id, None)
-
-    def record(self, recomputed: int, replica: str) -> None:
-        self.recomputed[replica] = self.recomputed.get(replica, 0) + recomputed
-        if self.counter is not None:
-            self.counter.labels(self.deployment, replica).inc(recomputed)

@@ -29,7 +29,6 @@ from ..errors import (
     CapacityError, ModelNotFoundError, RequestError, RequestTimeoutError, S2DError, ServiceUnavailableError,
 )
 from ..models import check_same_vocabulary
-from .affinity import Affinity
 from .app_config import AppConfig
 from .metrics import ServeMetrics
 from .openai_protocol import (
@@ -37,7 +36,7 @@ from .openai_protocol import (
     error_body, full_response, stream_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, to_generation
-from .scheduler import DraftClient, Event, TargetClient, TargetScheduler
+from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
 from .loaders import load_tokenizer, model_context
 from .replica import replica_id
 

@@ -19,9 +19,9 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from ..core.engine import GenerationRequest, SpecEngine
+from ..core.stack import common_prefix
 from ..core.types import DraftRequest, Proposal, ScoreRequest
 from ..errors import CapacityError, RequestError, S2DError, ServiceUnavailableError
-from .affinity import Affinity
 from .metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,33 @@ async def _bounded(awaitable: Awaitable, timeout_s: float) -> Any:
         return await awaitable
 
     return await asyncio.wait_for(wait(), timeout_s)
+
+
+class Affinity:
+    """A router client's side of affinity for one deployment: the routing key its calls carry, and per live sequence
+    the tokens whose KV the deployment computed in the last successful round. `expected` is how many of a new call's
+    leading tokens that covers (what the replica holds if nothing moved); `record` counts what a replica reported
+    recomputing into `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
+
+    def __init__(self, key: str | None, deployment: str, counter: Any = None) -> None:
+        self.key, self.deployment, self.counter = key, deployment, counter
+        self.recomputed: dict[str, int] = {}  # replica -> tokens it recomputed for this client's calls
+        self._tokens: dict[str, list[int]] = {}
+
+    def expected(self, seq_id: str, tokens: list[int]) -> int:
+        done = self._tokens.get(seq_id)
+        return 0 if done is None else common_prefix(done, tokens)
+
+    def computed(self, seq_id: str, tokens: list[int]) -> None:
+        self._tokens[seq_id] = list(tokens)
+
+    def forget(self, seq_id: str) -> None:
+        self._tokens.pop(seq_id, None)
+
+    def record(self, recomputed: int, replica: str) -> None:
+        self.recomputed[replica] = self.recomputed.get(replica, 0) + recomputed
+        if self.counter is not None:
+            self.counter.labels(self.deployment, replica).inc(recomputed)
 
 
 class DraftClient:
