@@ -75,6 +75,11 @@ class BatchOptions(_Strict):
     batch_wait_timeout_s: float = Field(
         0.002, ge=0, description="How long the first call of a batch waits for others (adds latency at low load)."
     )
+    max_live_sequences: int = Field(
+        32, ge=1, description="Sequences whose KV one replica keeps (cache rows). Past it the least recently used "
+        "sequence's row is reclaimed (it recomputes if it returns) and larger forwards are split; with the context "
+        "this bounds replica memory (docs/SERVING.md, 'Memory per replica')."
+    )
 
 
 class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):

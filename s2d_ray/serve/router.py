@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -35,8 +36,9 @@ from .openai_protocol import (
     error_body, full_response, stream_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, to_generation
-from .scheduler import DraftClient, Event, TargetClient, TargetScheduler
+from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
 from .loaders import load_tokenizer, model_context
+from .replica import replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,9 @@ class Router:
         self._api_key = key or None
         self.metrics = ServeMetrics()
         self.draft_handle, self.target_handles = draft, targets
+        self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
+        self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
+        self.replica = replica_id()
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source), cfg.cache_dir, cfg.trust_remote_code)
@@ -157,12 +162,15 @@ class Router:
 
     def _scheduler(self, name: str) -> TargetScheduler:
         cfg, info = self.cfg, self.models[name]
-        target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s)
+        recomputed = self.metrics.recomputed_tokens
+        self.affinities.append(Affinity(self.affinity, f"target-{name}", recomputed))
+        target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s, self.affinities[-1])
         draft = None
         if cfg.uses_draft:
             fallback = self.metrics.draft_fallbacks.labels(name)
             draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
-                                on_fallback=fallback.inc)
+                                on_fallback=fallback.inc, affinity=Affinity(self.affinity, "draft", recomputed))
+            self.affinities.append(draft.affinity)
         ecfg = cfg.engine_config(name)
         engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
@@ -189,11 +197,21 @@ class Router:
 
     async def stats(self) -> dict:
         """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
-        out: dict = {"targets": {}}
+        out: dict = {"router": self.replica, "targets": {}}
         for name, sched in self.schedulers.items():
             dep = await _call_stats(self.target_handles[name])
             out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting), "deployment": dep}
         out["draft"] = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
+        out["recomputed_tokens"] = self._recomputed()
+        return out
+
+    def _recomputed(self) -> dict[str, dict[str, int]]:
+        """deployment -> replica -> tokens recomputed for this router's calls (s2d_recomputed_tokens_total)."""
+        out: dict[str, dict[str, int]] = {}
+        for aff in self.affinities:
+            per_replica = out.setdefault(aff.deployment, {})
+            for replica, n in aff.recomputed.items():
+                per_replica[replica] = per_replica.get(replica, 0) + n
         return out
 
     # --- HTTP ---------------------------------------------------------------------------------------------------
