@@ -149,6 +149,8 @@ class SpecEngine:
 
     def _remaining(self, seq: _Sequence) -> int:
         """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
+        if self._wants_prompt_rows(seq):
+            return 0  # the round that scores the whole prompt drafts nothing (a prompt-long chain, never a tree)
         remaining = seq.req.max_new_tokens - len(seq.generated) - 1
         if self.max_context is not None:
             remaining = min(remaining, self.max_context - len(seq.tokens) - 1)

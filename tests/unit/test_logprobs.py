@@ -15,6 +15,7 @@ from s2d_ray.core.policy import FixedK
 from s2d_ray.core.sampling import logits_to_probs
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import SamplingParams
+from test_trees import repetitive_prompts, tree_engine
 
 TOP_N = 5
 
@@ -36,6 +37,7 @@ def reference_logp(model, ids: list[int], params: SamplingParams) -> torch.Tenso
 def engines(target, k: int = 4):
     yield "ar", SpecEngine(TargetVerifier(target))
     yield "s2d", SpecEngine(TargetVerifier(target), SortedDrafter(noisy_draft(target)), policy=FixedK(k))
+    yield "tree", tree_engine(target, width=3, lookup=True)  # emitted rows follow the accepted tree path
 
 
 def check_against_reference(target, prompt, res, params):
@@ -60,7 +62,7 @@ def check_against_reference(target, prompt, res, params):
     SamplingParams(temperature=1.3, seed=5),
 ], ids=["greedy", "tk-tp", "t1.3"])
 def test_logprobs_equal_an_independent_forward_with_and_without_speculation(target, params):
-    prompts = random_prompts(4, seed=2)
+    prompts = random_prompts(4, seed=2) + repetitive_prompts(2, seed=2)
     by_mode = {}
     for mode, engine in engines(target):
         reqs = [GenerationRequest(f"s{i}", p, 20, params, logprobs=TOP_N, prompt_logprobs=True)
@@ -71,10 +73,10 @@ def test_logprobs_equal_an_independent_forward_with_and_without_speculation(targ
             # Alternatives past top-k / top-p are -inf; the chosen token never is.
             assert all(math.isfinite(lp.logprob) for lp in res.logprobs)
         by_mode[mode] = out
-        if mode == "s2d":
+        if mode != "ar":
             assert sum(r.metrics["num_accepted_draft_tokens"] for r in out) > 0  # speculation really happened
     if params.greedy:  # same tokens, so the same numbers with speculation on and off
-        for a, s in zip(by_mode["ar"], by_mode["s2d"]):
+        for a, s in [pair for mode in ("s2d", "tree") for pair in zip(by_mode["ar"], by_mode[mode])]:
             assert a.token_ids == s.token_ids
             assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in s.logprobs], abs=1e-12)
             assert [[i for i, _ in x.top] for x in a.logprobs] == [[i for i, _ in x.top] for x in s.logprobs]
@@ -103,7 +105,7 @@ def test_prompt_rows_only_in_the_first_round_and_kv_freed(target):
     verifier.score = spy
     engine = SpecEngine(verifier, SortedDrafter(noisy_draft(target)), policy=FixedK(3))
     res = engine.generate([GenerationRequest("a", prompt, 10, prompt_logprobs=True, logprobs=1)])[0]
-    assert asked[0] == len(prompt) - 1 + 4 and all(n <= 4 for n in asked[1:])
+    assert asked[0] == len(prompt) and all(n <= 4 for n in asked[1:])  # the prompt round drafts nothing
     assert len(res.prompt_logprobs) == len(prompt)
     assert verifier.num_active == 0
 
