@@ -31,9 +31,10 @@ from ..errors import (
 from ..models import check_same_vocabulary
 from .app_config import AppConfig
 from .metrics import ServeMetrics
+from .choices import first_items, gather_all, merge
 from .openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse, ResponseIds, Usage,
-    error_body, full_response, stream_chunk,
+    ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
+    ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, to_generation
 from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
@@ -181,12 +182,15 @@ class Router:
         req = GenerateRequest.model_validate(request)
         async with contextlib.aclosing(self._run(req)) as stream:
             chunks = [c async for c in stream]
-        ids, last = [t for c in chunks for t in c.token_ids], chunks[-1]
+        ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
         assembler = TextAssembler(self.models[req.model], tuple(req.stop))
         assembler.ids = ids
+        logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
         return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
-                                finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics)
+                                finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
+                                logprobs=logprobs, prompt_token_ids=first.prompt_token_ids,
+                                prompt_logprobs=first.prompt_logprobs)
 
     async def generate_stream(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
         """`handle.options(stream=True).generate_stream.remote(...)`: one chunk per round."""
@@ -259,17 +263,23 @@ class Router:
                 raise ApiError(400, f"request body is not valid JSON ({exc})", "invalid_json") from None
             try:
                 oreq = kind.model_validate_json(raw, strict=True)
-                greq = oreq.to_generate()
+                greqs = oreq.to_generate()  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            model = greq.model if greq.model in self.models else model
+            info = self._info(oreq.model)
+            model = info.name
+            if len(greqs) > self.cfg.limits.max_choices:
+                raise ApiError(400, f"{len(greqs)} choices requested (prompts x n); the limit is "
+                               f"{self.cfg.limits.max_choices}", "invalid_value", "n")
             ids = ResponseIds(chat)
+            views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
             if oreq.stream:
-                stream = self._run(greq)
-                first = await anext(stream)  # admission errors (404, 400, 429) still get an HTTP status
-                return StreamingResponse(self._sse(ids, greq.model, first, stream), media_type="text/event-stream")
-            resp = await self.generate(greq)
-            return JSONResponse(full_response(ids, resp))
+                streams = [self._run(g) for g in greqs]
+                firsts = await first_items(streams)  # admission errors (404, 400, 429) still get an HTTP status
+                return StreamingResponse(self._sse(ids, model, views, firsts, streams, oreq.n),
+                                         media_type="text/event-stream")
+            resps = await gather_all([self.generate(g) for g in greqs])
+            return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
             err = api_error(exc)
             if err.status >= 500 and not isinstance(exc, (ApiError, S2DError)):
@@ -277,13 +287,34 @@ class Router:
             self.metrics.errors.labels(model, str(err.status)).inc()
             return error_response(err)
 
-    async def _sse(self, ids: ResponseIds, model: str, first: GenerateChunk,
-                   rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
-        async with contextlib.aclosing(rest):
-            yield f"data: {json.dumps(stream_chunk(ids, model, first, True))}\n\n"
+    def _info(self, model: str) -> ModelInfo:
+        info = self.models.get(model)
+        if info is None:
+            raise ModelNotFoundError(f"model {model!r} is not served here; available: {sorted(self.models)}")
+        return info
+
+    @staticmethod
+    def _view(ids: ResponseIds, index: int, greq: GenerateRequest, oreq, info: ModelInfo) -> ChoiceView:
+        echo = None
+        if getattr(oreq, "echo", False):
+            echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(greq.prompt_token_ids)
+        return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo)
+
+    async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
+                   streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
+        """One chunk per round per choice; several choices end with one usage chunk. Closing this (the client
+        hung up) closes every choice's stream, which aborts its sequence."""
+        single, finals = len(streams) == 1, {}
+        async with contextlib.aclosing(merge(firsts, streams)) as chunks:
             try:
-                async for chunk in rest:
-                    yield f"data: {json.dumps(stream_chunk(ids, model, chunk, False))}\n\n"
+                async for i, chunk, first in chunks:
+                    if chunk.usage is not None:
+                        finals[i] = chunk
+                    yield f"data: {json.dumps(stream_chunk(ids, model, views[i], chunk, first, single))}\n\n"
+                if not single:
+                    parts = [finals[i] for i in sorted(finals)]
+                    body = usage_chunk(ids, model, total_usage(parts, n), [p.metrics for p in parts])
+                    yield f"data: {json.dumps(body)}\n\n"
             except Exception as exc:  # after the first byte the status is sent: report in-band, like OpenAI
                 err = api_error(exc)
                 self.metrics.errors.labels(model, str(err.status)).inc()
@@ -314,29 +345,32 @@ class Router:
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
-        info = self.models.get(req.model)
-        if info is None:
-            raise ModelNotFoundError(f"model {req.model!r} is not served here; available: {sorted(self.models)}")
+        info = self._info(req.model)
         gen = to_generation(info, req, self.cfg.limits)
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)
+        drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
         async with contextlib.aclosing(self._events(sched, gen)) as events:
             async for ev in events:
                 if ev.tokens and first_token is None:
                     first_token = time.perf_counter() - arrival
-                delta = text.push(ev.tokens)
+                tokens, logprobs = ([], [] if ev.logprobs is not None else None) if drop else (ev.tokens, ev.logprobs)
+                prompt = {}
+                if ev.prompt_logprobs is not None:
+                    prompt = {"prompt_token_ids": gen.prompt_ids, "prompt_logprobs": ev.prompt_logprobs}
+                delta = text.push(tokens)
                 if not ev.finished:
-                    if ev.tokens:
-                        yield GenerateChunk(text=delta, token_ids=ev.tokens)
+                    if tokens or prompt:
+                        yield GenerateChunk(text=delta, token_ids=tokens, logprobs=logprobs, **prompt)
                     continue
                 n_out = len(text.ids)
                 usage = Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n_out,
                               total_tokens=len(gen.prompt_ids) + n_out)
                 self.metrics.record_finished(req.model, len(gen.prompt_ids), ev.finish_reason or "abort", ev.metrics,
                                              time.perf_counter() - arrival, first_token)
-                yield GenerateChunk(text=delta + text.finish(), token_ids=ev.tokens, finish_reason=ev.finish_reason,
-                                    usage=usage, metrics=ev.metrics)
+                yield GenerateChunk(text=delta + text.finish(), token_ids=tokens, finish_reason=ev.finish_reason,
+                                    usage=usage, metrics=ev.metrics, logprobs=logprobs, **prompt)
 
     async def _events(self, sched: TargetScheduler, gen) -> AsyncIterator[Event]:
         """The request's events until it finishes; on timeout, error or a vanished client the sequence is aborted."""

@@ -165,6 +165,8 @@ class Event:
     finish_reason: str | None = None
     metrics: dict | None = None
     error: Exception | None = None
+    logprobs: list | None = None  # core.logprobs.TokenLogprob per token, when the request asked
+    prompt_logprobs: list | None = None  # first round only, when the request asked
 
 
 class TargetScheduler:
@@ -234,7 +236,8 @@ class TargetScheduler:
         for out in outputs:
             if not out.finished and out.seq_id in self.engine.seqs and out.seq_id not in self.queues:
                 self.cancelled.add(out.seq_id)  # nobody listens any more
-            self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, out.metrics))
+            self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, out.metrics,
+                                         logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
 
     async def _rounds_one_by_one(self) -> list:
         everyone, outputs = self.engine.seqs, []
