@@ -47,8 +47,12 @@ class SamplingFields(_Lenient):
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list}
 
-    def fan_out(self, prompts: list[dict[str, Any]], fields: dict[str, Any]) -> list["GenerateRequest"]:
-        """One GenerateRequest per choice, in choice order; sample i of a prompt uses seed + i."""
+    def fan_out(self, prompts: list[dict[str, Any]], fields: dict[str, Any],
+                max_choices: int | None) -> list["GenerateRequest"]:
+        """One GenerateRequest per choice, in choice order; sample i of a prompt uses seed + i. The choice count is
+        checked BEFORE anything is built: n is a client's number (fuzzing sent n = 2.6e27)."""
+        if max_choices is not None and len(prompts) * self.n > max_choices:
+            raise RequestError(f"{len(prompts) * self.n} choices requested (prompts x n); the limit is {max_choices}")
         out = []
         for prompt in prompts:
             for i in range(self.n):
@@ -93,7 +97,7 @@ class CompletionRequest(SamplingFields):
             raise ValueError("max_tokens must be >= 1 (0 is allowed only with echo)")
         return self
 
-    def to_generate(self) -> list["GenerateRequest"]:
+    def to_generate(self, max_choices: int | None = None) -> list["GenerateRequest"]:
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
             prompt = [prompt]
@@ -101,7 +105,7 @@ class CompletionRequest(SamplingFields):
             raise RequestError("prompt is empty")
         prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
         fields = {**self.sampling(), "logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None}
-        return self.fan_out(prompts, fields)
+        return self.fan_out(prompts, fields, max_choices)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,11 +121,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def to_generate(self) -> list["GenerateRequest"]:
+    def to_generate(self, max_choices: int | None = None) -> list["GenerateRequest"]:
         fields = self.sampling()
         fields["max_tokens"] = self.max_tokens or self.max_completion_tokens
         fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
-        return self.fan_out([{"messages": self.messages}], fields)
+        return self.fan_out([{"messages": self.messages}], fields, max_choices)
 
 
 class GenerateRequest(BaseModel):

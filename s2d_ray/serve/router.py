@@ -263,14 +263,11 @@ class Router:
                 raise ApiError(400, f"request body is not valid JSON ({exc})", "invalid_json") from None
             try:
                 oreq = kind.model_validate_json(raw, strict=True)
-                greqs = oreq.to_generate()  # one per choice
+                greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
             info = self._info(oreq.model)
             model = info.name
-            if len(greqs) > self.cfg.limits.max_choices:
-                raise ApiError(400, f"{len(greqs)} choices requested (prompts x n); the limit is "
-                               f"{self.cfg.limits.max_choices}", "invalid_value", "n")
             ids = ResponseIds(chat)
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
             if oreq.stream:

@@ -95,3 +95,19 @@ def test_gather_all_raises_the_first_error_itself_and_cancels_the_rest():
         asyncio.run(gather_all([slow(), bad()]))
     assert cancelled == [True]
     assert asyncio.run(gather_all([asyncio.sleep(0, result=1), asyncio.sleep(0, result=2)])) == [1, 2]
+
+
+def test_a_huge_n_is_refused_before_any_choice_is_built():
+    """Fuzzing sent n = 2.6e27: the count is checked before fan-out builds a request per choice."""
+    import pytest
+
+    from s2d_ray.errors import RequestError
+    from s2d_ray.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2643647388697128079458304000)
+    with pytest.raises(RequestError, match="choices requested"):
+        chat.to_generate(max_choices=16)
+    batch = CompletionRequest(model="m", prompt=["a", "b", "c"], n=6)
+    with pytest.raises(RequestError, match="18 choices"):
+        batch.to_generate(max_choices=16)
+    assert len(CompletionRequest(model="m", prompt=["a", "b"], n=8).to_generate(max_choices=16)) == 16
