@@ -4,6 +4,7 @@ batched draft forward (`@serve.batch`); KV per sequence id, checked against the 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from ray import serve
 
@@ -32,19 +33,23 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
     return build_draft(ecfg, base, load_profile(ecfg))
 
 
-def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedDrafter]:
-    """Targets whose calibration profile sets other exits/thresholds get a drafter with them (same weights, own KV);
-    targets with equal settings share one, and those with the draft's own settings share the default."""
+def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, SortedDrafter], dict[str, tuple]]:
+    """Targets whose calibration profile sets other exit LAYERS get a drafter with them (same weights, own KV);
+    targets with equal layers share one. Thresholds travel per row (returned per target), so profiles that differ
+    only in thresholds never force separate forwards."""
     out: dict[str, SortedDrafter] = {}
-    by_settings: dict[tuple, SortedDrafter] = {}
-    default = (tuple(draft.spec.exit_layers), tuple(draft.spec.thresholds))
+    thresholds: dict[str, tuple] = {}
+    by_layers: dict[tuple, SortedDrafter] = {}
     for t in cfg.targets:
         ecfg = cfg.engine_config(t.name)
         tuned = apply_exits(draft, ecfg, load_profile(ecfg))  # without a profile: the draft's own settings
-        key = (tuple(tuned.spec.exit_layers), tuple(tuned.spec.thresholds))
-        if key != default:
-            out[t.name] = by_settings.setdefault(key, SortedDrafter(tuned, cfg.draft.stop_confidence))
-    return out
+        layers = tuple(tuned.spec.exit_layers)
+        if layers != tuple(draft.spec.exit_layers):
+            out[t.name] = by_layers.setdefault(layers, SortedDrafter(tuned, cfg.draft.stop_confidence))
+        own = out[t.name].thresholds if t.name in out else draft.spec.thresholds
+        if tuple(tuned.spec.thresholds) != tuple(own):
+            thresholds[t.name] = tuple(tuned.spec.thresholds)
+    return out, thresholds
 
 
 @serve.deployment(name="draft")
@@ -54,7 +59,7 @@ class DraftDeployment:
         self.thread = ModelThread(cfg.num_threads)
         draft = load_shared_draft(cfg)
         self.default = SortedDrafter(draft, cfg.draft.stop_confidence)
-        self.by_target = per_target_drafters(cfg, draft)
+        self.by_target, self.thresholds = per_target_drafters(cfg, draft)
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
@@ -63,8 +68,9 @@ class DraftDeployment:
         self.num_calls = 0  # propose calls received (one per target round)
         self.num_forwards = 0  # batched drafting runs
         self.num_shared_forwards = 0  # runs that drafted for more than one target at once
-        logger.info("draft %s ready: exits=%s thresholds=%s, per-target profiles=%s", cfg.draft.source,
-                    draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target))
+        logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s",
+                    cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target),
+                    sorted(self.thresholds))
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def propose(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:
@@ -78,7 +84,7 @@ class DraftDeployment:
             idx = [i for i, t in enumerate(targets) if self.by_target.get(t, self.default) is drafter]
             if not idx:
                 continue
-            group = [batches[i] for i in idx]
+            group = [self._stamped(targets[i], batches[i]) for i in idx]
             flat = [r for b in group for r in b]
             self.idle.touch([r.seq_id for r in flat])
             self.num_forwards += 1
@@ -86,6 +92,11 @@ class DraftDeployment:
             for i, props in zip(idx, split_like(drafter.propose(flat), group)):
                 results[i] = props
         return results  # type: ignore[return-value]
+
+    def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
+        """The target's profile thresholds on each of its rows (rows that already carry thresholds keep them)."""
+        th = self.thresholds.get(target)
+        return batch if th is None else [r if r.thresholds is not None else replace(r, thresholds=th) for r in batch]
 
     async def release(self, seq_id: str) -> None:
         await self.thread.run(self._release_sync, [seq_id])
