@@ -4,6 +4,7 @@ batched draft forward (`@serve.batch`); KV per sequence id, checked against the 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 from ray import serve
@@ -14,6 +15,7 @@ from ..core.draft import SortedDraft, SortedDrafter
 from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
 from .app_config import AppConfig
+from .draft_capacity import DraftCapacity
 from .replica import IdleSequences, ModelThread, replica_device, split_like
 
 logger = logging.getLogger(__name__)
@@ -63,22 +65,28 @@ class DraftDeployment:
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
-        self.propose.set_max_batch_size(cfg.draft.max_batch_size)
-        self.propose.set_batch_wait_timeout_s(cfg.draft.batch_wait_timeout_s)
-        self.num_calls = 0  # propose calls received (one per target round)
-        self.num_forwards = 0  # batched drafting runs
-        self.num_shared_forwards = 0  # runs that drafted for more than one target at once
+        self._propose_batch.set_max_batch_size(cfg.draft.max_batch_size)
+        # The configured wait is now the cap of an adaptive window (0 while only one target is active).
+        self.capacity = DraftCapacity(cfg.draft.batch_wait_timeout_s, cfg.draft.batch_wait_fraction)
         logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s",
                     cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target),
                     sorted(self.thresholds))
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def propose(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:
-        """One call per (target, round); calls that arrive together are drafted in one forward per profile."""
-        return await self.thread.run(self._propose_sync, targets, batches)
+    async def propose(self, target: str, batch: list[DraftRequest]) -> list[Proposal]:
+        """One call per (target, round). Sets the batching window for the batch this call may open, then joins it."""
+        now = time.monotonic()
+        self.capacity.num_calls += 1
+        self._propose_batch.set_batch_wait_timeout_s(self.capacity.arrive(target, now))
+        return await self._propose_batch(target, batch, now)
 
-    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]]) -> list[list[Proposal]]:
-        self.num_calls += len(batches)
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
+    async def _propose_batch(self, targets: list[str], batches: list[list[DraftRequest]],
+                             arrivals: list[float]) -> list[list[Proposal]]:
+        """Calls that arrive together are drafted in one forward per drafter (per set of exit layers)."""
+        return await self.thread.run(self._propose_sync, targets, batches, arrivals)
+
+    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]],
+                      arrivals: list[float]) -> list[list[Proposal]]:
         results: list[list[Proposal] | None] = [None] * len(batches)
         for drafter in self.drafters:
             idx = [i for i, t in enumerate(targets) if self.by_target.get(t, self.default) is drafter]
@@ -87,10 +95,12 @@ class DraftDeployment:
             group = [self._stamped(targets[i], batches[i]) for i in idx]
             flat = [r for b in group for r in b]
             self.idle.touch([r.seq_id for r in flat])
-            self.num_forwards += 1
-            self.num_shared_forwards += len({targets[i] for i in idx}) > 1
-            for i, props in zip(idx, split_like(drafter.propose(flat), group)):
-                results[i] = props
+            start = time.monotonic()
+            props = drafter.propose(flat)
+            self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start,
+                                  time.monotonic())
+            for i, p in zip(idx, split_like(props, group)):
+                results[i] = p
         return results  # type: ignore[return-value]
 
     def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
@@ -108,8 +118,7 @@ class DraftDeployment:
                 d.release(s)
 
     async def stats(self) -> dict:
-        return {"num_active": sum(d.num_active for d in self.drafters), "num_calls": self.num_calls,
-                "num_forwards": self.num_forwards, "num_shared_forwards": self.num_shared_forwards}
+        return {"num_active": sum(d.num_active for d in self.drafters), **self.capacity.stats()}
 
     async def check_health(self) -> None:
         """Healthy when the model thread answers; also drops KV of sequences idle past the TTL."""

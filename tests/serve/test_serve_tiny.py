@@ -87,7 +87,7 @@ def test_two_targets_concurrently_through_one_draft(tiny_app, refs):
     after = tiny_app.handle.stats.remote().result()["draft"]
     calls, forwards = after["num_calls"] - before["num_calls"], after["num_forwards"] - before["num_forwards"]
     assert forwards < calls  # propose calls were merged into shared forwards ...
-    assert after["num_shared_forwards"] > before["num_shared_forwards"]  # ... with both targets in one forward
+    assert after["num_merged_forwards"] > before["num_merged_forwards"]  # ... with both targets in one forward
 
 
 def test_handle_api_generate_and_stream(tiny_app, refs):
