@@ -45,10 +45,22 @@ def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:
     return cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": dtype})})
 
 
-def load_target(cfg: EngineConfig) -> LoadedModel:
+def default_device() -> torch.device:
+    """The GPU when torch sees one (Ray hides GPUs from actors with num_gpus=0), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_target(cfg: EngineConfig, device: torch.device | str | None = None) -> LoadedModel:
+    """The target on `device` (default: `default_device()`); TP ranks pass "cpu" and let DeepSpeed place shards."""
+    device = torch.device(device) if device is not None else default_device()
+    dtype = resolve_dtype(cfg.target.dtype, device.type)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    return load_model(cfg.target.resolved_source, dtype=DTYPES[resolve_dtype(cfg.target.dtype)], cache_dir=cache,
-                      trust_remote_code=cfg.trust_remote_code)
+    loaded = load_model(cfg.target.resolved_source, dtype=DTYPES[dtype], cache_dir=cache,
+                        trust_remote_code=cfg.trust_remote_code)
+    if device.type != "cpu":
+        loaded.model.to(device)
+    logger.info("model %s on %s in %s", cfg.target.resolved_source, device, dtype)
+    return loaded
 
 
 def draft_dir(source: str) -> Path | None:
@@ -105,8 +117,10 @@ def _base_for(source: str, cfg: EngineConfig, target: LoadedModel) -> LoadedMode
     if source in (cfg.target.resolved_source, target.source):
         return target
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
-    return load_model(source, dtype=DTYPES[resolve_dtype(cfg.target.dtype)], cache_dir=cache,
-                      trust_remote_code=cfg.trust_remote_code)
+    base = load_model(source, dtype=DTYPES[resolve_dtype(cfg.target.dtype, target.model.device.type)],
+                      cache_dir=cache, trust_remote_code=cfg.trust_remote_code)
+    base.model.to(target.model.device)  # the draft runs where its target does
+    return base
 
 
 def calibration_path(cfg: EngineConfig) -> Path | None:
@@ -222,7 +236,7 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
-    cfg = with_resolved_dtype(cfg)
+    cfg = with_resolved_dtype(cfg, default_device().type)
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     profile = load_profile(cfg)

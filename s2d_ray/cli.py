@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "s2d_ray.commands.generate",
     "s2d_ray.train.cli",
     "s2d_ray.bench.cli",
+    "s2d_ray.fleet.cli",
 ]
 
 

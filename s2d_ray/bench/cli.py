@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
-from ..config import DEFAULT_TARGET
+from ..config import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 
@@ -21,6 +21,7 @@ def register(sub) -> None:
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
+    _register_plan_check(bench)
     _register_serve(bench)
 
 
@@ -110,13 +111,43 @@ def run_steps(args: argparse.Namespace) -> int:
     cfg = engine_config(args, args.target, "s2d")
     result = run_all(cfg, StepsRun(args.context, args.repeats, args.max_k, args.gen_tokens, args.gen_prompts,
                                    args.questions))
-    out = args.out or _default_out("steps")
+    return _write_report(args.out or _default_out("steps"), "steps", result, steps_markdown(result))
+
+
+def _write_report(out: Path, stem: str, result: dict, text: str) -> int:
+    """<out>/<stem>.json and .md, and the table on stdout."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "steps.json").write_text(json.dumps(result, indent=1))
-    text = steps_markdown(result)
-    (out / "steps.md").write_text(text)
-    sys.stdout.write(text + f"\nwrote {out}/steps.json, steps.md\n")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(text)
+    sys.stdout.write(text + f"\nwrote {out}/{stem}.json, {stem}.md\n")
     return 0
+
+
+# --- plan-check ------------------------------------------------------------------------------------------------------
+def _register_plan_check(bench) -> None:
+    p = bench.add_parser("plan-check", help="the fleet model's predicted ar/s2d tok/s on this CPU against measured")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the hardware row is measured at this)")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
+    p.add_argument("--batches", type=INTS, default=[1, 8], help="batch sizes, e.g. 1,8")
+    p.add_argument("--repeats", type=int, default=3, help="runs per (mode, batch); the median tok/s is kept")
+    p.add_argument("--quick", action="store_true", help="small device measurements (tests)")
+    p.add_argument("--prompts", choices=["heldout", "specbench"], default="heldout",
+                   help="held-out instructions (the profile's own distribution) or Spec-Bench questions")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/plan-check-<time>)")
+    p.set_defaults(func=run_plan_check)
+
+
+def run_plan_check(args: argparse.Namespace) -> int:
+    from .plan_check import PlanCheck, check_markdown, run_check
+
+    if min(args.threads, args.tokens, args.repeats, *args.batches) < 1:
+        raise ConfigError("--threads, --tokens, --repeats and --batches must be >= 1")
+    result = run_check(PlanCheck(args.target, args.draft, args.dtype, args.threads, args.tokens,
+                                 tuple(args.batches), args.repeats, args.quick, args.prompts))
+    return _write_report(args.out or _default_out("plan-check"), "plan_check", result, check_markdown(result))
 
 
 # --- serve -----------------------------------------------------------------------------------------------------------

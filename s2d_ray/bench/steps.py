@@ -1,6 +1,8 @@
 """Per-step costs on this machine: the numbers that decide whether speculation can pay at all.
 
 - target decode step (1 new position) and verification of k draft tokens (k + 1 positions, as in an engine round);
+- the verify grid: one target forward over B rows x n positions (what load-aware speculation reads), and what each
+  extra row adds to a draft step;
 - one draft step per exit (propose with k = 1), and the adaptive draft in a real run (ms per draft token, exit mix);
 - the engine's `ar` mode against transformers `generate` greedy on the same prompts (tokens/s, interleaved);
 - engine overhead per round at batch 1: wall time outside module forwards (embedding, decoder layers, norm, head,
@@ -26,6 +28,7 @@ from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 from ..models import LoadedModel
 from ..prompts import encode_messages
+from ..train.calibrate import measure_verify_grid
 from .machine import machine_info
 from .methods import EngineMethod, HFGenerate, with_mode
 
@@ -212,6 +215,9 @@ def run_all(cfg: EngineConfig, run: StepsRun) -> dict:
     result = {"machine": machine_info(), "target": cfg.target.name, "draft": cfg.draft.source,
               "context": len(ctx), "repeats": run.repeats, "gen_tokens": run.gen_tokens}
     result["target_steps"] = target_steps(target.model, ctx, run.max_k, run.repeats)
+    grid = measure_verify_grid(target.model, ctx, repeat=max(run.repeats // 3, 3))
+    result["verify_grid_ms"] = {str(b): {str(n): round(1e3 * t, 3) for n, t in row.items()} for b, row in grid.items()}
+    logger.info("verify grid done")
     logger.info("target steps done: %s", result["target_steps"])
     result["draft_steps"] = draft_steps(draft, ctx, run.repeats)
     result["head_steps"] = head_steps(draft, run.repeats)
@@ -237,6 +243,9 @@ def steps_markdown(r: dict) -> str:
     for n, t in r["head_steps"].items():
         lines.append(f"| shared norm + LM head alone ({n} positions) | {t['median_ms']:.1f} | "
                      f"{t['p10_ms']:.1f}-{t['p90_ms']:.1f} | {t['median_ms'] / dec:.2f} |")
+    if r.get("verify_grid_ms"):
+        lines += ["", "One target forward over B rows x n positions, ms (median; KV prefilled to the context):", ""]
+        lines += [grid_markdown(r["verify_grid_ms"])]
     a = r["ar_vs_generate"]
     lines += ["", "| prompt tokens | new tokens | hf generate tok/s | engine ar tok/s | ar / generate | same tokens |",
               "|---|---|---|---|---|---|"]
@@ -250,6 +259,14 @@ def steps_markdown(r: dict) -> str:
               f"({o['outside_forwards_frac']:.1%}) | {o['engine_elsewhere_frac']:.1%} | {o['draft_frac']:.1%} | "
               f"{o['target_frac']:.1%} |" for o in r["overhead"]]
     return "\n".join(lines) + "\n"
+
+
+def grid_markdown(grid: dict) -> str:
+    """{batch: {positions: ms}} as a table, one row per batch."""
+    cols = list(next(iter(grid.values())))
+    lines = ["| B \\ n | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {b} | " + " | ".join(f"{row[c]:.1f}" for c in cols) + " |" for b, row in grid.items()]
+    return "\n".join(lines)
 
 
 def _load(values: list[float] | None) -> str:

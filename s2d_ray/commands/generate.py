@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: the target's logprob of each generated token and its top-N alternatives")
     p.set_defaults(func=run)
 
 
@@ -37,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens must be >= 1")
     if args.batch_size < 1:
         raise ValueError("--batch-size must be >= 1")
+    if args.logprobs is not None and (args.logprobs < 0 or not args.json):
+        raise ValueError("--logprobs needs --json and a value >= 0")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     cfg = engine_config(args)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
@@ -46,13 +50,18 @@ def run(args: argparse.Namespace) -> int:
     eos = tuple(i for i in {tok.eos_token_id} if i is not None)
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]
-        reqs = [GenerationRequest(f"p{start + i}", encode_prompt(tok, text, args.chat), args.max_new_tokens, params, eos)
+        reqs = [GenerationRequest(f"p{start + i}", encode_prompt(tok, text, args.chat), args.max_new_tokens, params, eos,
+                                  logprobs=args.logprobs)
                 for i, text in enumerate(chunk)]
         for text, res in zip(chunk, built.engine.generate(reqs)):
             out = tok.decode(res.token_ids, skip_special_tokens=True)
             if args.json:
-                print(json.dumps({"prompt": text, "text": out, "token_ids": res.token_ids,
-                                  "finish_reason": res.finish_reason, "metrics": res.metrics}), flush=True)
+                row = {"prompt": text, "text": out, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                       "metrics": res.metrics}
+                if res.logprobs is not None:
+                    row["logprobs"] = [{"token_id": e.token, "logprob": e.logprob,
+                                        "top": [[i, max(v, -9999.0)] for i, v in e.top]} for e in res.logprobs]
+                print(json.dumps(row), flush=True)
             else:
                 print(out, flush=True)
                 m = res.metrics

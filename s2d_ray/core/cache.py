@@ -10,8 +10,20 @@ from __future__ import annotations
 import torch
 
 
+def grown(current: int, needed: int, cap: int | None = None) -> int:
+    """A dimension's new size: unchanged when it already holds `needed`, else doubled (amortised growth) but never
+    past `cap` (a configured bound), and never below `needed`."""
+    if needed <= current:
+        return current
+    doubled = 2 * current if cap is None else min(2 * current, cap)
+    return max(needed, doubled)
+
+
 class SlotKVCache:
     """Keys and values as [rows, slots, kv_heads, head_dim] per layer; grows rows and slots on demand.
+
+    Rows and slots grow independently (each doubles only when that dimension is short), up to `max_rows` and
+    `max_slots` when set, so memory is bounded by max_rows x max_slots x per-token KV bytes.
 
     Duck-types the one method transformers attention layers call (`update`), so Hugging Face decoder layers of any
     Llama-like family write into it. Call `select(rows, positions, kv_len)` before running layers.
@@ -36,6 +48,8 @@ class SlotKVCache:
         self._positions: torch.Tensor | None = None
         self._kv_len = 0
         self._all_rows = False
+        self.max_rows: int | None = None  # growth caps (None: unbounded); see RowTable.set_limits
+        self.max_slots: int | None = None
 
     def _zeros(self, rows: int, slots: int) -> torch.Tensor:
         return torch.zeros(rows, slots, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -49,11 +63,9 @@ class SlotKVCache:
         return self.keys[0].shape[1]
 
     def reserve(self, rows: int, slots: int) -> None:
-        """Grow to at least `rows` x `slots` (doubling slots, so growth is amortised)."""
-        add_rows = max(rows - self.num_rows, 0)
-        add_slots = 0
-        if slots > self.num_slots:
-            add_slots = max(slots, 2 * self.num_slots) - self.num_slots
+        """Grow to at least `rows` x `slots`; each dimension doubles only when it is the short one."""
+        add_rows = grown(self.num_rows, rows, self.max_rows) - self.num_rows
+        add_slots = grown(self.num_slots, slots, self.max_slots) - self.num_slots
         if not add_rows and not add_slots:
             return
         for store in (self.keys, self.values):
@@ -71,7 +83,7 @@ class SlotKVCache:
         """
         self.reserve(int(rows.max()) + 1, max(kv_len, int(positions.max()) + 1))
         self._rows, self._positions, self._kv_len = rows, positions, kv_len
-        self._all_rows = rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows)).all())
+        self._all_rows = rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows, device=rows.device)).all())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write new k/v ([n, kv_heads, s, head_dim]) at the selected slots; return k/v over the first kv_len slots."""
@@ -93,6 +105,10 @@ class SlotKVCache:
         for store in (self.keys, self.values):
             for t in store:
                 t[row, dst] = t[row, src_t]  # advanced indexing gathers a copy first: overlaps are safe
+
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (replica stats check them against the configured bound)."""
+        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store)
 
     @torch.no_grad()
     def clear_row(self, row: int) -> None:
@@ -117,3 +133,13 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def slot_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask [n, 1, s, kv_len]: a token at position p sees slots 0..p of its own row."""
     return additive_mask(causal_allowed(positions, kv_len), dtype)
+
+
+def head_mask(mask: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[n, 1, s, kv] -> [n, heads, s, kv] as SDPA takes it fastest on the mask's device.
+
+    CPU SDPA is ~10x slower with a head-broadcast mask (measured), so there each head gets its own materialised
+    copy; CUDA kernels read the broadcast view (stride 0 over heads) at no cost, and a copy would only spend memory
+    bandwidth (heads x s x kv elements per layer call)."""
+    view = mask.expand(-1, num_heads, -1, -1)
+    return view if mask.device.type == "cuda" else view.contiguous()

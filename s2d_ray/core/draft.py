@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError, RequestError
-from .cache import SlotKVCache
+from .cache import SlotKVCache, grown
 from .sampling import logits_to_probs, round_generator, sample
 from .stack import DecoderParts, LayerStack, RowState, RowTable, decoder_parts, pending_grid
 from .types import DraftRequest, Proposal, SamplingParams
@@ -173,17 +173,27 @@ class _StepOut:
 
 
 class HiddenStore:
-    """Hidden states at each inner exit, [rows, slots, h], kept for lazily filling deeper layers later."""
+    """Hidden states at each inner exit, [rows, slots, h], kept for lazily filling deeper layers later.
+
+    Rows and slots grow independently (amortised doubling of the short dimension only), capped like the KV cache
+    (`max_rows`, `max_slots`), so this store's size is bounded by max_rows x max_slots x hidden x inner exits.
+    """
 
     def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         self.bufs = [torch.zeros(1, 16, hidden, dtype=dtype, device=device) for _ in range(num)]
+        self.max_rows: int | None = None
+        self.max_slots: int | None = None
 
     def reserve(self, rows: int, slots: int) -> None:
         for i, b in enumerate(self.bufs):
-            if rows > b.shape[0] or slots > b.shape[1]:
-                nb = b.new_zeros(max(rows, b.shape[0]), max(slots, 2 * b.shape[1]), b.shape[2])
+            new_rows, new_slots = grown(b.shape[0], rows, self.max_rows), grown(b.shape[1], slots, self.max_slots)
+            if (new_rows, new_slots) != tuple(b.shape[:2]):
+                nb = b.new_zeros(new_rows, new_slots, b.shape[2])
                 nb[: b.shape[0], : b.shape[1]] = b
                 self.bufs[i] = nb
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs)
 
 
 class SortedDrafter:
@@ -204,7 +214,9 @@ class SortedDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         """Chains (a token per depth, sampled from q when sampling) or trees (`req.tree`: the argmax spine of depth k,
         each depth's next `width - 1` most probable tokens as sibling leaves, scored by path probability)."""
-        states = [self.table.sync(r.seq_id, r.tokens) for r in requests]
+        states = self.table.sync_batch([(r.seq_id, r.tokens) for r in requests])
+        for st in states:  # the last token is always re-run: its logits start the draft (a retried round sends the
+            st.filled = [min(f, len(st.tokens) - 1) for f in st.filled]  # same tokens again, already all in KV)
         props = [Proposal([], None, [], [], []) if r.tree else Proposal.empty() for r in requests]
         spine = [(-1, 1.0)] * len(requests)  # per request: (last spine node, its path probability)
         live = [i for i, r in enumerate(requests) if r.k > 0]

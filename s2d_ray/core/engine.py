@@ -21,6 +21,7 @@ import torch
 
 from .budget import SpeculationBudget
 from .draft import Drafter
+from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
 from .target import Verifier
@@ -36,6 +37,8 @@ class GenerationRequest:
     params: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top-n (core/logprobs.py)
+    prompt_logprobs: bool = False  # score the prompt in the first round (top-n as `logprobs`)
 
 
 @dataclass
@@ -47,6 +50,8 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     metrics: dict | None = None  # the sequence's SequenceMetrics.to_dict(), once it finished
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first round only, when the request asked
 
 
 @dataclass
@@ -56,6 +61,8 @@ class GenerationResult:
     finish_reason: str
     metrics: dict[str, Any]
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -66,6 +73,8 @@ class _Sequence:
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
     started: float = field(default_factory=time.perf_counter)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
 
     @property
     def tokens(self) -> list[int]:
@@ -140,6 +149,8 @@ class SpecEngine:
 
     def _remaining(self, seq: _Sequence) -> int:
         """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
+        if self._wants_prompt_rows(seq):
+            return 0  # the round that scores the whole prompt drafts nothing (a prompt-long chain, never a tree)
         remaining = seq.req.max_new_tokens - len(seq.generated) - 1
         if self.max_context is not None:
             remaining = min(remaining, self.max_context - len(seq.tokens) - 1)
@@ -160,13 +171,20 @@ class SpecEngine:
             out.append(Proposal(kept.tokens, None, kept.exits, kept.parents, kept.scores))
         return out
 
+    def score_requests(self, drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
+        """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one (and rows over
+        the whole prompt in the first round of a sequence that wants prompt logprobs; that round drafts nothing)."""
+        out = []
+        for d, p in zip(drafts, proposals):
+            n = len(p.tokens) + 1
+            if self._wants_prompt_rows(self.seqs.get(d.seq_id)):
+                n += len(d.tokens) - 1
+            out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None))
+        return out
+
     @staticmethod
-    def score_requests(drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
-        """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one."""
-        return [
-            ScoreRequest(d.seq_id, d.tokens + p.tokens, len(p.tokens) + 1, p.parents if p.tokens else None)
-            for d, p in zip(drafts, proposals)
-        ]
+    def _wants_prompt_rows(seq: _Sequence | None) -> bool:
+        return seq is not None and seq.req.prompt_logprobs and seq.prompt_logprobs is None
 
     def commit(
         self, live: list[_Sequence], proposals: list[Proposal], logits: list[torch.Tensor], timing: tuple[float, float]
@@ -176,7 +194,11 @@ class SpecEngine:
         for seq, prop, p_logits in zip(live, proposals, logits):
             if seq.req.seq_id not in self.seqs:  # aborted while the round was in flight
                 continue
+            first_round = self._wants_prompt_rows(seq)
+            if first_round:
+                p_logits = self._take_prompt_rows(seq, p_logits)
             gen = round_generator(seq.req.params.seed, len(seq.tokens), "accept")
+            path = None  # accepted tree nodes (tree rounds only)
             if prop.is_tree and prop.tokens:
                 tree = _as_tree(prop)
                 path, nxt = accept_tree(tree, p_logits, seq.req.params, gen)
@@ -189,6 +211,7 @@ class SpecEngine:
                 n_acc, nxt = self.sampler(prop.tokens, prop.q, p_logits, seq.req.params, gen)
                 result = RoundResult(len(prop.tokens), n_acc, prop.tokens[:n_acc] + [nxt], prop.exits)
             emitted = self._append(seq, result.new_tokens)
+            logprobs = self._logprobs(seq, emitted_rows(p_logits, len(emitted), path), emitted)
             seq.metrics.record(result, len(emitted))
             seq.metrics.draft_seconds += timing[0]
             seq.metrics.target_seconds += timing[1]
@@ -203,8 +226,24 @@ class SpecEngine:
                 del self.seqs[seq.req.seq_id]
                 self._release(seq.req.seq_id)
             outputs.append(StepOutput(seq.req.seq_id, emitted, seq.finish_reason is not None, seq.finish_reason,
-                                      metrics))
+                                      metrics, logprobs, seq.prompt_logprobs if first_round else None))
         return outputs
+
+    @staticmethod
+    def _take_prompt_rows(seq: _Sequence, p_logits: torch.Tensor) -> torch.Tensor:
+        """Split the first round's rows: P-1 over the prompt (kept as prompt logprobs), then the round's own."""
+        n_prompt = len(seq.req.prompt_ids) - 1
+        seq.prompt_logprobs = prompt_logprobs(p_logits[:n_prompt], seq.req.prompt_ids, seq.req.params,
+                                              seq.req.logprobs or 0)
+        return p_logits[n_prompt:]
+
+    @staticmethod
+    def _logprobs(seq: _Sequence, rows: torch.Tensor, emitted: list[int]) -> list[TokenLogprob] | None:
+        if seq.req.logprobs is None:
+            return None
+        out = token_logprobs(rows, emitted, seq.req.params, seq.req.logprobs)
+        seq.logprobs.extend(out)
+        return out
 
     def _append(self, seq: _Sequence, new_tokens: list[int]) -> list[int]:
         emitted = []
@@ -245,11 +284,12 @@ class SpecEngine:
         if not live:
             return []
         t0 = time.perf_counter()
-        proposals = self.shape_trees(live, self._propose(drafts))
+        drafted = self._propose(drafts)
+        proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
         logits = self.verifier.score(self.score_requests(drafts, proposals))
         t2 = time.perf_counter()
-        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), proposals, t0, t1)
+        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), drafted, t0, t1)
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -257,16 +297,18 @@ class SpecEngine:
         if not live:
             return []
         t0 = time.perf_counter()
-        proposals = [Proposal.empty() for _ in drafts]
+        drafted = [Proposal.empty() for _ in drafts]
         if self.drafter is not None and (self.trees or any(d.k > 0 for d in drafts)):
-            proposals = self.shape_trees(live, await _maybe_await(self.drafter.propose(drafts)))
+            drafted = await _maybe_await(self.drafter.propose(drafts))
+        proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
         logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
         t2 = time.perf_counter()
-        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), proposals, t0, t1)
+        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), drafted, t0, t1)
 
     def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float) -> list[StepOutput]:
-        """Feed the round's measured cost and yield to the load-aware budget."""
+        """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
+        node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
             depth = max((max((d for d, e in zip(_as_tree(p).depths(), p.exits) if e != LOOKUP), default=0)
                          for p in proposals), default=0)
@@ -290,9 +332,11 @@ class SpecEngine:
                 if out.finished:
                     done[out.seq_id] = tracked[out.seq_id]
         return [
-            GenerationResult(r.seq_id, done[r.seq_id].generated, done[r.seq_id].finish_reason or "abort",
-                             done[r.seq_id].metrics.to_dict())
+            GenerationResult(r.seq_id, s.generated, s.finish_reason or "abort", s.metrics.to_dict(),
+                             logprobs=s.logprobs if r.logprobs is not None else None,
+                             prompt_logprobs=s.prompt_logprobs)
             for r in requests
+            for s in [done[r.seq_id]]
         ]
 
 
@@ -301,6 +345,18 @@ def _as_tree(prop: Proposal) -> TokenTree:
     parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
     scores = prop.scores if prop.scores is not None else [1.0] * n
     return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores))
+
+
+def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None = None) -> torch.Tensor:
+    """The target rows the round's emitted tokens were chosen from -> [n_emitted, V].
+
+    Chain (path None; p_logits [k+1, V]): row i scores the token after committed + draft[:i], and the emitted tokens
+    are accepted drafts then the recovered/bonus token, so they are the first n_emitted rows. Tree (p_logits
+    [1 + n, V], row 0 at the root, row 1 + i after node i): the root row, then the rows after each accepted node.
+    """
+    if path is None:
+        return p_logits[:n_emitted]
+    return p_logits[[0] + [i + 1 for i in path]][:n_emitted]
 
 
 async def _maybe_await(value: Any) -> Any:

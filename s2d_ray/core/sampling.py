@@ -19,6 +19,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """Softmax after temperature, top-k and top-p (in that order, as in transformers); logits: [..., V]."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(_prob_dtype(logits))
+    return filtered_logits(logits, params).softmax(-1)
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits / temperature with tokens outside top-k / top-p set to -inf (sampling only); logits: [..., V]."""
     x = logits.to(_prob_dtype(logits)) / params.temperature
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
@@ -30,7 +35,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    return x.softmax(-1)
+    return x
 
 
 def _prob_dtype(logits: torch.Tensor) -> torch.dtype:

@@ -9,14 +9,15 @@ token prefix a caller sends cuts those counts back to the common prefix, which i
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError
-from .cache import SlotKVCache, additive_mask, slot_mask
+from ..errors import CapacityError, ModelLoadError
+from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +142,7 @@ class LayerStack(nn.Module):
         kv_len = int(positions.max()) + 1
         cache.select(rows, positions, kv_len)
         mask = slot_mask(positions, kv_len, x.dtype) if allowed is None else additive_mask(allowed, x.dtype)
-        # One mask row per head, materialised: CPU SDPA is ~10x slower with a head-broadcast mask (measured).
-        mask = mask.expand(-1, self.parts.num_heads, -1, -1).contiguous()
+        mask = head_mask(mask, self.parts.num_heads)
         rope = positions if rope_positions is None else rope_positions
         cos_sin = self.parts.rotary(x, position_ids=rope)
         for layer in self.layers[lo:hi]:
@@ -196,22 +196,45 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class RowTable:
-    """seq_id -> RowState with a free list; sync() is the KV rollback (cut fill back to the common token prefix)."""
+    """seq_id -> RowState with a free list; sync() is the KV rollback (cut fill back to the common token prefix).
+
+    With `max_rows` set (set_limits) the table never holds more sequences than that: a new sequence takes the row of
+    the least recently synced one (a sequence that finished elsewhere, moved to another replica, or idles). The
+    evicted sequence loses only time: its next call finds no state and recomputes from its token prefix.
+    """
 
     def __init__(self, num_segments: int, cache: SlotKVCache) -> None:
         self.num_segments = num_segments
         self.cache = cache
-        self.states: dict[str, RowState] = {}
+        self.states: OrderedDict[str, RowState] = OrderedDict()  # least recently synced first
+        self.max_rows: int | None = None
+        self.num_evicted = 0  # sequences whose row was taken for another (their KV is recomputed if they return)
         self._free: list[int] = []
         self._next_row = 0
+
+    def set_limits(self, max_rows: int | None, max_slots: int | None = None) -> None:
+        """Bound this table's rows and its cache's growth (call before use; memory <= max_rows x max_slots)."""
+        self.max_rows = max_rows
+        self.cache.max_rows, self.cache.max_slots = max_rows, max_slots
+
+    def sync_batch(self, items: list[tuple[str, list[int]]]) -> list[RowState]:
+        """sync() every (seq_id, tokens) of one forward; none of them can evict another. More distinct sequences than
+        max_rows in one forward is refused (CapacityError) before any state changes: callers split such batches."""
+        distinct = {seq_id for seq_id, _ in items}
+        if self.max_rows is not None and len(distinct) > self.max_rows:
+            raise CapacityError(f"{len(distinct)} sequences in one forward; this replica holds at most "
+                                f"{self.max_rows} (split the batch or raise max_live_sequences)")
+        for seq_id in distinct & self.states.keys():
+            self.states.move_to_end(seq_id)  # protect the batch's own rows from eviction below
+        return [self.sync(seq_id, tokens) for seq_id, tokens in items]
 
     def sync(self, seq_id: str, tokens: list[int]) -> RowState:
         state = self.states.get(seq_id)
         if state is None:
-            row = self._free.pop() if self._free else self._take_new_row()
-            state = RowState(row=row, filled=[0] * self.num_segments)
+            state = RowState(row=self._take_row(), filled=[0] * self.num_segments)
             self.states[seq_id] = state
         else:
+            self.states.move_to_end(seq_id)
             if state.tree is not None:
                 self._commit_tree(state, tokens)
             keep = common_prefix(state.tokens, tokens)
@@ -234,10 +257,24 @@ class RowTable:
         state.tokens = state.tokens[: tree.start] + [tree.tokens[i] for i in path]
         state.filled = [tree.start + len(path) if f >= tree.start else f for f in state.filled]
 
-    def _take_new_row(self) -> int:
-        row = self._next_row
-        self._next_row += 1
-        return row
+    def cached_prefix(self, seq_id: str, tokens: list[int]) -> int:
+        """How many leading positions of `tokens` already hold KV here in the first segment (0 for an unknown id)."""
+        state = self.states.get(seq_id)
+        if state is None or not state.filled:
+            return 0
+        return min(state.filled[0], common_prefix(state.tokens, tokens))
+
+    def _take_row(self) -> int:
+        if self._free:
+            return self._free.pop()
+        if self.max_rows is None or self._next_row < self.max_rows:
+            self._next_row += 1
+            return self._next_row - 1
+        seq_id, state = next(iter(self.states.items()))  # least recently synced
+        logger.debug("row %d: evicting seq %s (table full at %d rows)", state.row, seq_id, self.max_rows)
+        del self.states[seq_id]
+        self.num_evicted += 1
+        return state.row  # stale KV in it is never read: the new sequence's fill starts at 0
 
     def release(self, seq_id: str) -> None:
         state = self.states.pop(seq_id, None)
@@ -247,6 +284,14 @@ class RowTable:
 
     def __len__(self) -> int:
         return len(self.states)
+
+
+def limit_rows(holder, max_rows: int | None, max_slots: int | None = None) -> None:
+    """Bound a drafter's or verifier's per-sequence memory: its RowTable and cache, and a drafter's HiddenStore."""
+    holder.table.set_limits(max_rows, max_slots)
+    hidden = getattr(holder, "hidden", None)
+    if hidden is not None:
+        hidden.max_rows, hidden.max_slots = max_rows, max_slots
 
 
 def pending_grid(starts: list[int], ends: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

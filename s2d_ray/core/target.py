@@ -51,13 +51,13 @@ class TargetVerifier:
         """
         if not requests:
             return []
-        states, starts, ends = [], [], []
         for req in requests:
             if req.num_logits < 1 or req.num_logits > len(req.tokens):
                 raise ValueError(f"num_logits must be in [1, {len(req.tokens)}], got {req.num_logits}")
             if req.parents is not None and req.num_logits != len(req.parents) + 1:
                 raise ValueError(f"a tree of {len(req.parents)} nodes needs {len(req.parents) + 1} logits")
-            st = self.table.sync(req.seq_id, req.tokens)
+        states, starts, ends = [], [], []
+        for req, st in zip(requests, self.table.sync_batch([(r.seq_id, r.tokens) for r in requests])):
             # Positions whose logits are wanted must be recomputed even if their KV is cached.
             st.filled[0] = min(st.filled[0], len(req.tokens) - req.num_logits)
             states.append(st)

@@ -22,6 +22,7 @@ __all__ = ["AppConfig", "DraftDeploymentConfig", "Limits", "RouterOptions", "Tar
 
 def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     """Validate the config and bind the application: draft (unless mode `ar`), one deployment per target, router."""
+    from .affinity import affinity_router_config
     from .draft_deployment import DraftDeployment
     from .router import Router
     from .target_deployment import TargetDeployment
@@ -29,9 +30,11 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     draft = None
     if cfg.uses_draft:
-        draft = DraftDeployment.options(name="draft", **cfg.draft.serve_options()).bind(cfg)
+        draft = DraftDeployment.options(name="draft", request_router_config=affinity_router_config(),
+                                        **cfg.draft.serve_options()).bind(cfg)
     targets = {
-        t.name: TargetDeployment.options(name=f"target-{t.name}", **t.serve_options(), **t.placement())
+        t.name: TargetDeployment.options(name=f"target-{t.name}", request_router_config=affinity_router_config(),
+                                         **t.serve_options(), **t.placement())
         .bind(cfg, t.name)
         for t in cfg.targets
     }

@@ -75,6 +75,11 @@ class BatchOptions(_Strict):
     batch_wait_timeout_s: float = Field(
         0.002, ge=0, description="How long the first call of a batch waits for others (adds latency at low load)."
     )
+    max_live_sequences: int = Field(
+        32, ge=1, description="Sequences whose KV one replica keeps (cache rows). Past it the least recently used "
+        "sequence's row is reclaimed (it recomputes if it returns) and larger forwards are split; with the context "
+        "this bounds replica memory (docs/SERVING.md, 'Memory per replica')."
+    )
 
 
 class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
@@ -124,7 +129,8 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         "one target is active, else `batch_wait_fraction` of the measured draft forward time, up to this cap.",
     )
     batch_wait_fraction: float = Field(
-        0.5, ge=0, le=1, description="Share of one measured draft forward a call may wait for other targets' rounds."
+        1.0, ge=0, le=1, description="Share of one measured draft forward a call may wait for other targets' rounds "
+        "(1.0: the tiny-model serve test merged 34% of draft forwards at 0.5 and over half at 1.0)."
     )
 
 
@@ -146,6 +152,11 @@ class Limits(_Strict):
     request_timeout_s: float = Field(300.0, gt=0, description="A request still running after this is aborted (504).")
     score_timeout_s: float = Field(120.0, gt=0, description="A target verification call slower than this fails (503).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger HTTP bodies get 413.")
+    max_choices: int = Field(16, ge=1, description="Most choices per request (prompts in a batch times n).")
+    max_logprobs: int = Field(20, ge=0, description="Largest top-n for logprobs / top_logprobs (OpenAI's is 20).")
+    max_prompt_logprobs_tokens: int = Field(
+        1024, ge=1, description="Longest prompt scored for echo / prompt logprobs (its P x vocabulary logits travel "
+        "from the target deployment to the router once).")
     seq_idle_ttl_s: float = Field(
         900.0, gt=0, description="Deployments drop KV of sequences untouched this long (state leaked by a dead router)."
     )

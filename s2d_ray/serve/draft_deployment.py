@@ -12,11 +12,15 @@ from ray import serve
 from ..build import apply_exits, build_draft, draft_base_source, load_profile, load_target, set_threads
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
+from ..core.stack import limit_rows
 from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
 from .app_config import AppConfig
 from .draft_capacity import DraftCapacity
-from .replica import IdleSequences, ModelThread, replica_device, split_like
+from .replica import (
+    Counted, IdleSequences, ModelThread, chunks, recomputed_tokens, replica_id, split_like,
+    target_window,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +35,6 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
         spec=cfg.spec, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code,
     )
     base = load_target(ecfg)
-    base.model.to(replica_device())
     return build_draft(ecfg, base, load_profile(ecfg))
 
 
@@ -64,6 +67,12 @@ class DraftDeployment:
         self.by_target, self.thresholds = per_target_drafters(cfg, draft)
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
+        self.max_rows = cfg.draft.max_live_sequences
+        max_slots = max(target_window(cfg, t.name) for t in cfg.targets)
+        for d in self.drafters:  # memory per drafter <= max_rows x max_slots (docs/SERVING.md)
+            limit_rows(d, self.max_rows, max_slots)
+        self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
+        self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
         self._propose_batch.set_max_batch_size(cfg.draft.max_batch_size)
         # The configured wait is now the cap of an adaptive window (0 while only one target is active).
@@ -72,22 +81,27 @@ class DraftDeployment:
                     cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target),
                     sorted(self.thresholds))
 
-    async def propose(self, target: str, batch: list[DraftRequest]) -> list[Proposal]:
-        """One call per (target, round). Sets the batching window for the batch this call may open, then joins it."""
+    async def propose(self, target: str, batch: list[DraftRequest], seen: list[int],
+                      affinity: str | None = None) -> Counted:
+        """One call per (target, round): sets the batching window for the batch this call may open, then joins it.
+
+        seen: per request, how many leading tokens an earlier round already drafted over (what this replica should
+        hold); affinity: the caller's routing key (read by the request router, not here). The call gets its
+        proposals and the tokens this replica recomputed for it."""
         now = time.monotonic()
         self.capacity.num_calls += 1
         self._propose_batch.set_batch_wait_timeout_s(self.capacity.arrive(target, now))
-        return await self._propose_batch(target, batch, now)
+        return await self._propose_batch(target, batch, seen, now)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
-    async def _propose_batch(self, targets: list[str], batches: list[list[DraftRequest]],
-                             arrivals: list[float]) -> list[list[Proposal]]:
+    async def _propose_batch(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],
+                             arrivals: list[float]) -> list[Counted]:
         """Calls that arrive together are drafted in one forward per drafter (per set of exit layers)."""
-        return await self.thread.run(self._propose_sync, targets, batches, arrivals)
+        return await self.thread.run(self._propose_sync, targets, batches, seen, arrivals)
 
-    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]],
-                      arrivals: list[float]) -> list[list[Proposal]]:
-        results: list[list[Proposal] | None] = [None] * len(batches)
+    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],
+                      arrivals: list[float]) -> list[Counted]:
+        results: list[Counted | None] = [None] * len(batches)
         for drafter in self.drafters:
             idx = [i for i, t in enumerate(targets) if self.by_target.get(t, self.default) is drafter]
             if not idx:
@@ -95,12 +109,14 @@ class DraftDeployment:
             group = [self._stamped(targets[i], batches[i]) for i in idx]
             flat = [r for b in group for r in b]
             self.idle.touch([r.seq_id for r in flat])
+            recomputed = split_like(recomputed_tokens(drafter.table, flat, [n for i in idx for n in seen[i]]), group)
             start = time.monotonic()
-            props = drafter.propose(flat)
+            proposals = [p for part in chunks(flat, self.max_rows) for p in drafter.propose(part)]
             self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start,
                                   time.monotonic())
-            for i, p in zip(idx, split_like(props, group)):
-                results[i] = p
+            for i, props, counts in zip(idx, split_like(proposals, group), recomputed):
+                self.recomputed += sum(counts)
+                results[i] = Counted(props, sum(counts), self.replica)
         return results  # type: ignore[return-value]
 
     def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
@@ -108,7 +124,7 @@ class DraftDeployment:
         th = self.thresholds.get(target)
         return batch if th is None else [r if r.thresholds is not None else replace(r, thresholds=th) for r in batch]
 
-    async def release(self, seq_id: str) -> None:
+    async def release(self, seq_id: str, affinity: str | None = None) -> None:
         await self.thread.run(self._release_sync, [seq_id])
 
     def _release_sync(self, seq_ids: list[str]) -> None:
@@ -118,7 +134,10 @@ class DraftDeployment:
                 d.release(s)
 
     async def stats(self) -> dict:
-        return {"num_active": sum(d.num_active for d in self.drafters), **self.capacity.stats()}
+        return {"replica": self.replica, "num_active": sum(d.num_active for d in self.drafters),
+                **self.capacity.stats(), "recomputed_tokens": self.recomputed,
+                "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
+                "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters)}
 
     async def check_health(self) -> None:
         """Healthy when the model thread answers; also drops KV of sequences idle past the TTL."""

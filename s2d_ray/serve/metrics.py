@@ -49,6 +49,10 @@ class ServeMetrics:
                                         ["model", "position"], registry=r)
         self.draft_fallbacks = Counter("s2d:spec_decode_draft_fallback_rounds",
                                        "Rounds decoded target-only because the draft deployment failed.", m, registry=r)
+        self.recomputed_tokens = Counter(
+            "s2d_recomputed_tokens", "Tokens whose KV a replica recomputed because its cache did not hold the prefix "
+            "(the sequence moved there, or its row was reclaimed); this router's calls.", ["deployment", "replica"],
+            registry=r)
         self.prompt_tokens = Counter("s2d:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self.generation_tokens = Counter("s2d:generation_tokens", "Generated tokens.", m, registry=r)
         self.requests = Counter("s2d:request_success", "Finished requests by finish reason.",

@@ -1,20 +1,24 @@
 """Request and response shapes: the OpenAI-compatible HTTP API and the pydantic request of the Python handle API.
 
 Requests are validated strictly (a string where a number belongs is a 400, not silently coerced); unknown fields
-that OpenAI clients commonly send are ignored, unsupported values of known ones (n > 1, logprobs) are refused.
+that OpenAI clients commonly send are ignored, unsupported values of known ones (best_of > n) are refused.
+One OpenAI request fans out into one GenerateRequest per choice: per prompt of a batch, `n` samples (choice index
+prompt_index * n + i); sample i uses seed + i when a seed is given (as vLLM), so every choice is reproducible.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..core.logprobs import TokenLogprob
 from ..errors import RequestError
 
 MAX_STOP_STRINGS = 4
+MIN_LOGPROB = -9999.0  # -inf (tokens past top-k / top-p) is not JSON; vLLM clamps to the same value
 
 
 class _Lenient(BaseModel):
@@ -28,7 +32,7 @@ class SamplingFields(_Lenient):
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables (extension).")
     seed: int | None = Field(None, description="Seed for reproducible sampling.")
     stop: str | list[str] | None = Field(None, description="Up to 4 strings that end the completion.")
-    n: int = Field(1, ge=1, le=1, description="Only 1 choice per request is supported.")
+    n: int = Field(1, ge=1, description="Independent samples per prompt (bounded by limits.max_choices).")
     stream: bool = Field(False, description="Server-sent events, one chunk per round.")
     user: str | None = Field(None, description="Ignored (OpenAI compatibility).")
 
@@ -42,6 +46,19 @@ class SamplingFields(_Lenient):
     def sampling(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list}
+
+    def fan_out(self, prompts: list[dict[str, Any]], fields: dict[str, Any],
+                max_choices: int | None) -> list["GenerateRequest"]:
+        """One GenerateRequest per choice, in choice order; sample i of a prompt uses seed + i. The choice count is
+        checked BEFORE anything is built: n is a client's number (fuzzing sent n = 2.6e27)."""
+        if max_choices is not None and len(prompts) * self.n > max_choices:
+            raise RequestError(f"{len(prompts) * self.n} choices requested (prompts x n); the limit is {max_choices}")
+        out = []
+        for prompt in prompts:
+            for i in range(self.n):
+                seed = None if self.seed is None else self.seed + i
+                out.append(GenerateRequest(model=self.model, **prompt, **{**fields, "seed": seed}))
+        return out
 
     @property
     def stop_list(self) -> list[str]:
@@ -65,32 +82,50 @@ class ChatMessage(_Lenient):
 
 class CompletionRequest(SamplingFields):
     model: str = Field(description="Target name (see /v1/models).")
-    prompt: str | list[str] | list[int] = Field(description="Text, a one-element list of text, or token ids.")
-    logprobs: None = Field(None, description="Not supported.")
-    echo: Literal[False] = Field(False, description="Not supported.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Text, token ids, or a batch of either (one choice per prompt, index in order).")
+    max_tokens: int | None = Field(None, ge=0, description="Completion length limit; 0 only with echo.")
+    logprobs: int | None = Field(None, ge=0, description="Logprob of each token plus the top-n alternatives.")
+    echo: bool = Field(False, description="Return the prompt (and, with logprobs, its tokens' logprobs) too.")
+    best_of: int | None = Field(None, ge=1, description="Only best_of == n (or unset) is supported.")
 
-    def to_generate(self) -> "GenerateRequest":
-        prompt, ids = self.prompt, None
-        if isinstance(prompt, list):
-            if prompt and all(isinstance(p, int) for p in prompt):
-                prompt, ids = None, list(prompt)
-            elif len(prompt) == 1:
-                prompt = prompt[0]
-            else:
-                raise RequestError("send exactly one prompt per request")
-        return GenerateRequest(model=self.model, prompt=prompt, prompt_token_ids=ids, **self.sampling())
+    @model_validator(mode="after")
+    def _supported(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n); sample n choices and rank them yourself")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 is allowed only with echo)")
+        return self
+
+    def to_generate(self, max_choices: int | None = None) -> list["GenerateRequest"]:
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+        fields = {**self.sampling(), "logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None}
+        return self.fan_out(prompts, fields, max_choices)
 
 
 class ChatCompletionRequest(SamplingFields):
     model: str = Field(description="Target name (see /v1/models).")
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation; the chat template renders it.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI clients).")
-    logprobs: Literal[False] | None = Field(None, description="Not supported.")
+    logprobs: bool | None = Field(None, description="Return the logprob of each generated token.")
+    top_logprobs: int | None = Field(None, ge=0, description="Also the top-n alternatives (needs logprobs: true).")
 
-    def to_generate(self) -> "GenerateRequest":
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def to_generate(self, max_choices: int | None = None) -> list["GenerateRequest"]:
         fields = self.sampling()
         fields["max_tokens"] = self.max_tokens or self.max_completion_tokens
-        return GenerateRequest(model=self.model, messages=self.messages, **fields)
+        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return self.fan_out([{"messages": self.messages}], fields, max_choices)
 
 
 class GenerateRequest(BaseModel):
@@ -102,12 +137,16 @@ class GenerateRequest(BaseModel):
     prompt: str | None = Field(None, description="Plain text prompt (no chat template).")
     messages: list[ChatMessage] | None = Field(None, description="Chat messages (the target's chat template).")
     prompt_token_ids: list[int] | None = Field(None, description="Token ids, used as they are.")
-    max_tokens: int | None = Field(None, ge=1, description="Completion length limit; default: the server's.")
+    max_tokens: int | None = Field(None, ge=0, description="Completion length limit (0: nothing generated, e.g. "
+                                   "prompt logprobs only); default: the server's.")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k; 0 disables.")
     seed: int | None = Field(None, description="Seed for reproducible sampling.")
     stop: list[str] = Field(default_factory=list, description="Strings that end the completion.")
+    logprobs: int | None = Field(None, ge=0, description="Target logprob of each generated token plus the top-n "
+                                 "alternatives (0: none); off when unset.")
+    prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -130,6 +169,9 @@ class GenerateResponse(BaseModel):
     finish_reason: str
     usage: Usage
     metrics: dict[str, Any] = Field(description="The engine's per-request speculative decoding metrics.")
+    logprobs: list[TokenLogprob] | None = Field(None, description="Per generated token, when asked.")
+    prompt_token_ids: list[int] | None = Field(None, description="The encoded prompt, with prompt_logprobs.")
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(None, description="Per prompt token, when asked.")
 
 
 class GenerateChunk(BaseModel):
@@ -140,6 +182,9 @@ class GenerateChunk(BaseModel):
     finish_reason: str | None = None
     usage: Usage | None = None
     metrics: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None  # first chunk only, with prompt_logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first chunk only
 
 
 def error_body(message: str, code: str | None = None, param: str | None = None,
@@ -160,24 +205,94 @@ class ResponseIds:
         return {"id": self.id, "object": kind, "created": self.created, "model": model}
 
 
-def choice(ids: ResponseIds, text: str, finish_reason: str | None, chunk: bool, first: bool = False) -> dict:
-    if not ids.chat:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    if chunk:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-            "logprobs": None}
+class ChoiceView:
+    """One choice of an OpenAI response: its index, echo and logprobs in the API's shapes, across stream chunks.
+
+    Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, the chosen token included in each
+    top_logprobs dict (so up to n + 1 entries, as OpenAI documents); with echo the prompt's tokens come first, the
+    first with null. Chat: `{content: [{token, logprob, bytes, top_logprobs: [...]}]}`. Token strings are the tokens
+    decoded one by one; offsets count those strings from the start of the choice's text.
+    """
+
+    def __init__(self, ids: ResponseIds, index: int, token_text: Callable[[int], str], logprobs: bool,
+                 echo_text: str | None = None) -> None:
+        self.ids, self.index, self.token_text = ids, index, token_text
+        self.want_logprobs, self.echo_text = logprobs, echo_text
+        self.offset = 0
+
+    def choice(self, part: GenerateChunk | GenerateResponse, chunk: bool, first: bool) -> dict:
+        text, lp = part.text, None
+        if first and self.echo_text is not None:
+            text = self.echo_text + text
+        if self.want_logprobs:
+            entries: list[TokenLogprob | None] = list(part.logprobs or [])
+            tokens = list(part.token_ids)
+            if first and self.echo_text is not None and part.prompt_logprobs is not None:
+                entries, tokens = list(part.prompt_logprobs) + entries, list(part.prompt_token_ids or []) + tokens
+            lp = self._chat_logprobs(entries) if self.ids.chat else self._completion_logprobs(tokens, entries)
+        reason = part.finish_reason
+        if not self.ids.chat:
+            return {"index": self.index, "text": text, "finish_reason": reason, "logprobs": lp}
+        if chunk:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": lp}
+        return {"index": self.index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                "logprobs": lp}
+
+    def _completion_logprobs(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
+        strs = [self.token_text(t) for t in tokens]
+        offsets = []
+        for s in strs:
+            offsets.append(self.offset)
+            self.offset += len(s)
+        tops = [None if e is None else {**{self.token_text(i): _clamp(v) for i, v in e.top}, s: _clamp(e.logprob)}
+                for s, e in zip(strs, entries)]
+        return {"tokens": strs, "token_logprobs": [None if e is None else _clamp(e.logprob) for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[TokenLogprob | None]) -> dict:
+        def item(token: int, logprob: float) -> dict:
+            s = self.token_text(token)
+            return {"token": s, "logprob": _clamp(logprob), "bytes": list(s.encode("utf-8"))}
+
+        content = [{**item(e.token, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
+                   for e in entries if e is not None]
+        return {"content": content, "refusal": None}
 
 
-def full_response(ids: ResponseIds, resp: GenerateResponse) -> dict:
-    return {**ids.head(resp.model, chunk=False), "choices": [choice(ids, resp.text, resp.finish_reason, False)],
-            "usage": resp.usage.model_dump(), "metrics": {"speculative_decoding": resp.metrics}}
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
 
 
-def stream_chunk(ids: ResponseIds, model: str, chunk: GenerateChunk, first: bool) -> dict:
-    body = {**ids.head(model, chunk=True), "choices": [choice(ids, chunk.text, chunk.finish_reason, True, first)]}
-    if chunk.usage is not None:
+def full_response(ids: ResponseIds, model: str, views: list[ChoiceView], resps: list[GenerateResponse],
+                  n: int) -> dict:
+    """The non-streamed body; usage sums the choices (each prompt counted once, its n choices each)."""
+    body = {**ids.head(model, chunk=False), "choices": [v.choice(r, False, True) for v, r in zip(views, resps)],
+            "usage": total_usage(resps, n).model_dump()}
+    metrics = [r.metrics for r in resps]
+    body["metrics"] = {"speculative_decoding": metrics[0] if len(metrics) == 1 else metrics}
+    return body
+
+
+def total_usage(parts: list[GenerateResponse | GenerateChunk], n: int = 1) -> Usage:
+    """Completion tokens of every choice; prompt tokens once per prompt (choices come n per prompt)."""
+    usages = [p.usage for p in parts if p.usage is not None]
+    prompt = sum(u.prompt_tokens for u in usages[::n])
+    completion = sum(u.completion_tokens for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def stream_chunk(ids: ResponseIds, model: str, view: ChoiceView, chunk: GenerateChunk, first: bool,
+                 usage: bool = True) -> dict:
+    """One SSE chunk of one choice; with `usage` (single-choice streams) the last chunk carries usage and metrics."""
+    body = {**ids.head(model, chunk=True), "choices": [view.choice(chunk, True, first)]}
+    if usage and chunk.usage is not None:
         body["usage"] = chunk.usage.model_dump()
         body["metrics"] = {"speculative_decoding": chunk.metrics}
     return body
+
+
+def usage_chunk(ids: ResponseIds, model: str, usage: Usage, metrics: list[dict | None]) -> dict:
+    """The closing chunk of a multi-choice stream: no choices, the summed usage and each choice's metrics."""
+    return {**ids.head(model, chunk=True), "choices": [], "usage": usage.model_dump(),
+            "metrics": {"speculative_decoding": metrics}}

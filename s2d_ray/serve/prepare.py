@@ -57,7 +57,9 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
                            "(context length minus one generated token)")
     if req.max_tokens is not None and req.max_tokens > limits.max_tokens_limit:
         raise RequestError(f"max_tokens is {req.max_tokens}; the limit is {limits.max_tokens_limit}")
-    max_tokens = req.max_tokens or min(limits.default_max_tokens, window - len(ids))
+    check_logprobs(req, len(ids), limits)
+    # max_tokens 0 (echo, scoring): decode one token and drop it (the router does), so the engine stays one loop.
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens or min(limits.default_max_tokens, window - len(ids))
     if len(ids) + max_tokens > window:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {req.model}'s "
                            f"limit of {window} tokens; lower max_tokens")
@@ -65,7 +67,16 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     # every sequence on the target); the limit t -> 0 is greedy, so decode greedily (as vLLM does).
     temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
     params = SamplingParams(temperature=temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
-    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop))
+    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop),
+                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+
+
+def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:
+    if req.logprobs is not None and req.logprobs > limits.max_logprobs:
+        raise RequestError(f"logprobs / top_logprobs is {req.logprobs}; the limit is {limits.max_logprobs}")
+    if req.prompt_logprobs and n_prompt > limits.max_prompt_logprobs_tokens:
+        raise RequestError(f"prompt has {n_prompt} tokens; with echo / prompt logprobs the limit is "
+                           f"{limits.max_prompt_logprobs_tokens}")
 
 
 class TextAssembler:

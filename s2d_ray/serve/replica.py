@@ -7,7 +7,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -49,15 +49,58 @@ class IdleSequences:
         return [s for s, t in self._seen.items() if t < cutoff]
 
 
-def replica_device() -> torch.device:
-    """The replica's GPU when Ray gave it one (Ray hides GPUs from actors with num_gpus=0), else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def release_all(holder: Any, seq_ids: list[str]) -> None:
     """Free each sequence's KV on a verifier or drafter (run on the model thread, like every model call)."""
     for seq_id in seq_ids:
         holder.release(seq_id)
+
+
+def chunks(items: list[Any], size: int) -> list[list[Any]]:
+    """Consecutive pieces of at most `size` items: a forward never holds more sequences than a replica keeps rows."""
+    return [items[i : i + size] for i in range(0, len(items), size)] or [[]]
+
+
+def recomputed_tokens(table: Any, requests: list[Any], expected: list[int]) -> list[int]:
+    """Per request, positions an earlier round already computed (`expected`, sent by the router) that this replica's
+    cache does not hold for the same prefix: KV it must compute again (the sequence moved here, or its row was
+    reclaimed). Read before the forward changes the cache."""
+    return [max(0, e - table.cached_prefix(r.seq_id, r.tokens)) for r, e in zip(requests, expected)]
+
+
+class Counted(NamedTuple):
+    """A model call's answer plus what it cost in recomputation, and where it ran (for s2d_recomputed_tokens_total
+    per deployment and replica, counted by the caller so that every call is counted once)."""
+
+    results: list
+    recomputed: int
+    replica: str
+
+
+def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """Recomputed tokens per request, then the logits; run on the model thread."""
+    recomputed = recomputed_tokens(verifier.table, requests, expected)
+    logits = verifier.score(requests)
+    return [x.clone() for x in logits], recomputed  # each tensor pickles alone, not the whole batch's storage
+
+
+def replica_id() -> str:
+    """This replica's Serve id (unique across restarts), for stats and /health."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a replica (tests constructing a deployment class directly)
+        return "local"
+
+
+def target_window(cfg: Any, name: str) -> int:
+    """Longest sequence the router admits for a target (its context, capped by limits.max_total_tokens): the most
+    slots a replica's cache ever needs for it."""
+    from .loaders import model_context
+
+    spec = cfg.target(name)
+    ctx = spec.max_context or model_context(spec.resolved_source, cfg.cache_dir) or cfg.limits.max_total_tokens
+    return min(ctx, cfg.limits.max_total_tokens)
 
 
 def split_like(flat: list[Any], batches: list[list[Any]]) -> list[list[Any]]:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -30,13 +31,15 @@ from ..errors import (
 from ..models import check_same_vocabulary
 from .app_config import AppConfig
 from .metrics import ServeMetrics
+from .choices import first_items, gather_all, merge
 from .openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse, ResponseIds, Usage,
-    error_body, full_response, stream_chunk,
+    ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
+    ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, to_generation
-from .scheduler import DraftClient, Event, TargetClient, TargetScheduler
+from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
 from .loaders import load_tokenizer, model_context
+from .replica import replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,9 @@ class Router:
         self._api_key = key or None
         self.metrics = ServeMetrics()
         self.draft_handle, self.target_handles = draft, targets
+        self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
+        self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
+        self.replica = replica_id()
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source), cfg.cache_dir, cfg.trust_remote_code)
@@ -157,12 +163,15 @@ class Router:
 
     def _scheduler(self, name: str) -> TargetScheduler:
         cfg, info = self.cfg, self.models[name]
-        target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s)
+        recomputed = self.metrics.recomputed_tokens
+        self.affinities.append(Affinity(self.affinity, f"target-{name}", recomputed))
+        target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s, self.affinities[-1])
         draft = None
         if cfg.uses_draft:
             fallback = self.metrics.draft_fallbacks.labels(name)
             draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
-                                on_fallback=fallback.inc)
+                                on_fallback=fallback.inc, affinity=Affinity(self.affinity, "draft", recomputed))
+            self.affinities.append(draft.affinity)
         ecfg = cfg.engine_config(name)
         engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
@@ -173,12 +182,15 @@ class Router:
         req = GenerateRequest.model_validate(request)
         async with contextlib.aclosing(self._run(req)) as stream:
             chunks = [c async for c in stream]
-        ids, last = [t for c in chunks for t in c.token_ids], chunks[-1]
+        ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
         assembler = TextAssembler(self.models[req.model], tuple(req.stop))
         assembler.ids = ids
+        logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
         return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
-                                finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics)
+                                finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
+                                logprobs=logprobs, prompt_token_ids=first.prompt_token_ids,
+                                prompt_logprobs=first.prompt_logprobs)
 
     async def generate_stream(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
         """`handle.options(stream=True).generate_stream.remote(...)`: one chunk per round."""
@@ -189,11 +201,21 @@ class Router:
 
     async def stats(self) -> dict:
         """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
-        out: dict = {"targets": {}}
+        out: dict = {"router": self.replica, "targets": {}}
         for name, sched in self.schedulers.items():
             dep = await _call_stats(self.target_handles[name])
             out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting), "deployment": dep}
         out["draft"] = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
+        out["recomputed_tokens"] = self._recomputed()
+        return out
+
+    def _recomputed(self) -> dict[str, dict[str, int]]:
+        """deployment -> replica -> tokens recomputed for this router's calls (s2d_recomputed_tokens_total)."""
+        out: dict[str, dict[str, int]] = {}
+        for aff in self.affinities:
+            per_replica = out.setdefault(aff.deployment, {})
+            for replica, n in aff.recomputed.items():
+                per_replica[replica] = per_replica.get(replica, 0) + n
         return out
 
     # --- HTTP ---------------------------------------------------------------------------------------------------
@@ -243,17 +265,20 @@ class Router:
                 raise ApiError(400, f"request body is not valid JSON ({exc})", "invalid_json") from None
             try:
                 oreq = kind.model_validate_json(raw, strict=True)
-                greq = oreq.to_generate()
+                greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            model = greq.model if greq.model in self.models else model
+            info = self._info(oreq.model)
+            model = info.name
             ids = ResponseIds(chat)
+            views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
             if oreq.stream:
-                stream = self._run(greq)
-                first = await anext(stream)  # admission errors (404, 400, 429) still get an HTTP status
-                return StreamingResponse(self._sse(ids, greq.model, first, stream), media_type="text/event-stream")
-            resp = await self.generate(greq)
-            return JSONResponse(full_response(ids, resp))
+                streams = [self._run(g) for g in greqs]
+                firsts = await first_items(streams)  # admission errors (404, 400, 429) still get an HTTP status
+                return StreamingResponse(self._sse(ids, model, views, firsts, streams, oreq.n),
+                                         media_type="text/event-stream")
+            resps = await gather_all([self.generate(g) for g in greqs])
+            return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
             err = api_error(exc)
             if err.status >= 500 and not isinstance(exc, (ApiError, S2DError)):
@@ -261,13 +286,34 @@ class Router:
             self.metrics.errors.labels(model, str(err.status)).inc()
             return error_response(err)
 
-    async def _sse(self, ids: ResponseIds, model: str, first: GenerateChunk,
-                   rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
-        async with contextlib.aclosing(rest):
-            yield f"data: {json.dumps(stream_chunk(ids, model, first, True))}\n\n"
+    def _info(self, model: str) -> ModelInfo:
+        info = self.models.get(model)
+        if info is None:
+            raise ModelNotFoundError(f"model {model!r} is not served here; available: {sorted(self.models)}")
+        return info
+
+    @staticmethod
+    def _view(ids: ResponseIds, index: int, greq: GenerateRequest, oreq, info: ModelInfo) -> ChoiceView:
+        echo = None
+        if getattr(oreq, "echo", False):
+            echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(greq.prompt_token_ids)
+        return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo)
+
+    async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
+                   streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
+        """One chunk per round per choice; several choices end with one usage chunk. Closing this (the client
+        hung up) closes every choice's stream, which aborts its sequence."""
+        single, finals = len(streams) == 1, {}
+        async with contextlib.aclosing(merge(firsts, streams)) as chunks:
             try:
-                async for chunk in rest:
-                    yield f"data: {json.dumps(stream_chunk(ids, model, chunk, False))}\n\n"
+                async for i, chunk, first in chunks:
+                    if chunk.usage is not None:
+                        finals[i] = chunk
+                    yield f"data: {json.dumps(stream_chunk(ids, model, views[i], chunk, first, single))}\n\n"
+                if not single:
+                    parts = [finals[i] for i in sorted(finals)]
+                    body = usage_chunk(ids, model, total_usage(parts, n), [p.metrics for p in parts])
+                    yield f"data: {json.dumps(body)}\n\n"
             except Exception as exc:  # after the first byte the status is sent: report in-band, like OpenAI
                 err = api_error(exc)
                 self.metrics.errors.labels(model, str(err.status)).inc()
@@ -298,29 +344,32 @@ class Router:
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
-        info = self.models.get(req.model)
-        if info is None:
-            raise ModelNotFoundError(f"model {req.model!r} is not served here; available: {sorted(self.models)}")
+        info = self._info(req.model)
         gen = to_generation(info, req, self.cfg.limits)
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)
+        drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
         async with contextlib.aclosing(self._events(sched, gen)) as events:
             async for ev in events:
                 if ev.tokens and first_token is None:
                     first_token = time.perf_counter() - arrival
-                delta = text.push(ev.tokens)
+                tokens, logprobs = ([], [] if ev.logprobs is not None else None) if drop else (ev.tokens, ev.logprobs)
+                prompt = {}
+                if ev.prompt_logprobs is not None:
+                    prompt = {"prompt_token_ids": gen.prompt_ids, "prompt_logprobs": ev.prompt_logprobs}
+                delta = text.push(tokens)
                 if not ev.finished:
-                    if ev.tokens:
-                        yield GenerateChunk(text=delta, token_ids=ev.tokens)
+                    if tokens or prompt:
+                        yield GenerateChunk(text=delta, token_ids=tokens, logprobs=logprobs, **prompt)
                     continue
                 n_out = len(text.ids)
                 usage = Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n_out,
                               total_tokens=len(gen.prompt_ids) + n_out)
                 self.metrics.record_finished(req.model, len(gen.prompt_ids), ev.finish_reason or "abort", ev.metrics,
                                              time.perf_counter() - arrival, first_token)
-                yield GenerateChunk(text=delta + text.finish(), token_ids=ev.tokens, finish_reason=ev.finish_reason,
-                                    usage=usage, metrics=ev.metrics)
+                yield GenerateChunk(text=delta + text.finish(), token_ids=tokens, finish_reason=ev.finish_reason,
+                                    usage=usage, metrics=ev.metrics, logprobs=logprobs, **prompt)
 
     async def _events(self, sched: TargetScheduler, gen) -> AsyncIterator[Event]:
         """The request's events until it finishes; on timeout, error or a vanished client the sequence is aborted."""

@@ -19,11 +19,16 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from ..core.engine import GenerationRequest, SpecEngine
+from ..core.stack import common_prefix
 from ..core.types import DraftRequest, Proposal, ScoreRequest
 from ..errors import CapacityError, RequestError, S2DError, ServiceUnavailableError
 from .metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class TargetTimeoutError(ServiceUnavailableError):
+    """The target did not answer in time; its rounds are not retried (each retry would wait as long again)."""
 
 
 RELEASE_TIMEOUT_S = 30.0
@@ -54,49 +59,101 @@ async def _bounded(awaitable: Awaitable, timeout_s: float) -> Any:
     return await asyncio.wait_for(wait(), timeout_s)
 
 
+class Affinity:
+    """A router client's side of affinity for one deployment: the routing key its calls carry, and per live sequence
+    the tokens whose KV the deployment computed in the last successful round. `expected` is how many of a new call's
+    leading tokens that covers (what the replica holds if nothing moved); `record` counts what a replica reported
+    recomputing into `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
+
+    def __init__(self, key: str | None, deployment: str, counter: Any = None) -> None:
+        self.key, self.deployment, self.counter = key, deployment, counter
+        self.recomputed: dict[str, int] = {}  # replica -> tokens it recomputed for this client's calls
+        self._tokens: dict[str, list[int]] = {}
+
+    def expected(self, seq_id: str, tokens: list[int]) -> int:
+        done = self._tokens.get(seq_id)
+        return 0 if done is None else common_prefix(done, tokens)
+
+    def computed(self, seq_id: str, tokens: list[int]) -> None:
+        self._tokens[seq_id] = list(tokens)
+
+    def forget(self, seq_id: str) -> None:
+        self._tokens.pop(seq_id, None)
+
+    def record(self, recomputed: int, replica: str) -> None:
+        self.recomputed[replica] = self.recomputed.get(replica, 0) + recomputed
+        if self.counter is not None:
+            self.counter.labels(self.deployment, replica).inc(recomputed)
+
+
 class DraftClient:
-    """The engine's drafter: the shared draft deployment, degrading to target-only rounds while it is down."""
+    """The engine's drafter: the shared draft deployment, degrading to target-only rounds while it is down.
+
+    Calls carry the router's affinity key (the draft replica holding this router's sequences) and, per request,
+    how many tokens an earlier round drafted over (the replica reports what it had to recompute)."""
 
     def __init__(self, handle, target: str, timeout_s: float, retry_after_s: float,
-                 on_fallback: Callable[[], None]) -> None:
+                 on_fallback: Callable[[], None], affinity: Affinity | None = None) -> None:
         self.handle, self.target = handle, target
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self.on_fallback = on_fallback
+        self.affinity = affinity or Affinity(None, "draft")
         self.down_until = 0.0
         self.releases = Releases()
 
     async def propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
         if time.monotonic() >= self.down_until:
+            aff = self.affinity
+            seen = [aff.expected(d.seq_id, d.tokens) for d in drafts]
             try:
-                return await _bounded(self.handle.propose.remote(self.target, drafts), self.timeout_s)
+                reply = await _bounded(self.handle.propose.remote(self.target, drafts, seen, affinity=aff.key),
+                                       self.timeout_s)
             except Exception as exc:
                 logger.warning("draft failed (%s: %s); target-only for %.0f s", type(exc).__name__, exc,
                                self.retry_after_s)
                 self.down_until = time.monotonic() + self.retry_after_s
+            else:
+                aff.record(reply.recomputed, reply.replica)
+                for d, p in zip(drafts, reply.results):
+                    # A chain: the drafter ran every proposed token but the last through its first layers; a tree
+                    # (siblings are not a sequence): count only the prefix, which it surely holds.
+                    if p.tokens:
+                        aff.computed(d.seq_id, d.tokens + p.tokens[:-1] if p.parents is None else d.tokens)
+                return reply.results
         self.on_fallback()
         return [Proposal.empty() for _ in drafts]
 
     def release(self, seq_id: str) -> None:
-        self.releases.send(self.handle.release.remote(seq_id), "draft release")
+        self.affinity.forget(seq_id)
+        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key), "draft release")
 
 
 class TargetClient:
-    """The engine's verifier: the target deployment; failures and timeouts become ServiceUnavailableError."""
+    """The engine's verifier: the target deployment; failures and timeouts become ServiceUnavailableError.
+    Calls carry the router's affinity key and what earlier rounds verified, like DraftClient's."""
 
-    def __init__(self, handle, name: str, timeout_s: float) -> None:
+    def __init__(self, handle, name: str, timeout_s: float, affinity: Affinity | None = None) -> None:
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
+        self.affinity = affinity or Affinity(None, f"target-{name}")
         self.releases = Releases()
 
     async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
+        aff = self.affinity
+        seen = [aff.expected(r.seq_id, r.tokens) for r in requests]
         try:
-            return await _bounded(self.handle.score.remote(requests), self.timeout_s)
+            reply = await _bounded(self.handle.score.remote(requests, seen, affinity=aff.key), self.timeout_s)
         except asyncio.TimeoutError:
-            raise ServiceUnavailableError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
+            raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
+        aff.record(reply.recomputed, reply.replica)
+        for r in requests:  # a tree's nodes are not a sequence: count its prefix only (compacted on the next call)
+            aff.computed(r.seq_id, r.tokens if r.parents is None else r.tokens[: len(r.tokens) - len(r.parents)])
+        return reply.results
 
     def release(self, seq_id: str) -> None:
-        self.releases.send(self.handle.release.remote(seq_id), "target release")
+        self.affinity.forget(seq_id)
+        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key), "target release")
 
 
 @dataclass
@@ -108,6 +165,8 @@ class Event:
     finish_reason: str | None = None
     metrics: dict | None = None
     error: Exception | None = None
+    logprobs: list | None = None  # core.logprobs.TokenLogprob per token, when the request asked
+    prompt_logprobs: list | None = None  # first round only, when the request asked
 
 
 class TargetScheduler:
@@ -165,16 +224,42 @@ class TargetScheduler:
         try:
             outputs = await self.engine.step_async()
         except Exception as exc:
-            logger.error("target %s round failed: %s", self.name, exc)
-            err = exc if isinstance(exc, S2DError) else ServiceUnavailableError(f"{type(exc).__name__}: {exc}")
-            for seq_id in list(self.engine.seqs):
-                self.engine.abort(seq_id)
-                self._send(seq_id, Event([], finished=True, error=err))
-            return
+            if not isinstance(exc, ServiceUnavailableError) or isinstance(exc, TargetTimeoutError):
+                self._fail(list(self.engine.seqs), exc)  # not a failed call: state may be half-committed
+                return
+            # The verification call failed before anything was committed: one request's input, or a replica that
+            # died. Retry the round one sequence at a time (on whichever replica now answers), failing only those
+            # whose own round fails again.
+            logger.warning("target %s round of %d failed (%s); retrying one by one", self.name,
+                           len(self.engine.seqs), exc)
+            outputs = await self._rounds_one_by_one()
         for out in outputs:
             if not out.finished and out.seq_id in self.engine.seqs and out.seq_id not in self.queues:
                 self.cancelled.add(out.seq_id)  # nobody listens any more
-            self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, out.metrics))
+            self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, out.metrics,
+                                         logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
+
+    async def _rounds_one_by_one(self) -> list:
+        everyone, outputs = self.engine.seqs, []
+        try:
+            for seq_id, seq in list(everyone.items()):
+                self.engine.seqs = {seq_id: seq}  # the engine's round runs over its live sequences: just this one
+                try:
+                    outputs += await self.engine.step_async()
+                except Exception as exc:
+                    self._fail([seq_id], exc)
+                if seq_id not in self.engine.seqs:  # finished or failed
+                    del everyone[seq_id]
+        finally:
+            self.engine.seqs = everyone
+        return outputs
+
+    def _fail(self, seq_ids: list[str], exc: Exception) -> None:
+        logger.error("target %s: %d sequence(s) failed: %s", self.name, len(seq_ids), exc)
+        err = exc if isinstance(exc, S2DError) else ServiceUnavailableError(f"{type(exc).__name__}: {exc}")
+        for seq_id in seq_ids:
+            self.engine.abort(seq_id)
+            self._send(seq_id, Event([], finished=True, error=err))
 
     def _admit(self) -> None:
         while self.waiting and self.num_running < self.max_running:

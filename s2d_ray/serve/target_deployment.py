@@ -9,10 +9,14 @@ import torch
 from ray import serve
 
 from ..build import load_target, set_threads
+from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from .app_config import AppConfig
-from .replica import IdleSequences, ModelThread, release_all, replica_device, split_like
+from .replica import (
+    Counted, IdleSequences, ModelThread, chunks, release_all, replica_id, score_counted, split_like,
+    target_window,
+)
 from .tp import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -25,9 +29,9 @@ class LocalTarget:
         self.verifier = verifier
         self.thread = ModelThread(num_threads)
 
-    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
-        logits = await self.thread.run(self.verifier.score, requests)
-        return [x.clone() for x in logits]  # each tensor pickles alone, not the whole batch's storage
+    async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """Logits and tokens recomputed per request (see state.recomputed_tokens)."""
+        return await self.thread.run(score_counted, self.verifier, requests, expected)
 
     async def release(self, seq_ids: list[str]) -> None:
         await self.thread.run(release_all, self.verifier, seq_ids)
@@ -39,7 +43,8 @@ class LocalTarget:
         await self.thread.run(lambda: None)
 
     def describe(self) -> dict:
-        return {"tp_size": 1}
+        table = self.verifier.table
+        return {"tp_size": 1, "num_evicted": table.num_evicted, "cache_bytes": self.verifier.cache.nbytes()}
 
     def close(self) -> None:
         self.thread.close()
@@ -51,11 +56,16 @@ class TargetDeployment:
         spec, ecfg = cfg.target(name), cfg.engine_config(name)
         set_threads(cfg.num_threads)
         self.name = name
+        self.max_rows, max_slots = spec.max_live_sequences, target_window(cfg, name)
         if spec.tp_size > 1:
-            self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s)
+            self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s, max_slots)
         else:
-            model = load_target(ecfg).model.to(replica_device())
-            self.backend = LocalTarget(TargetVerifier(model), cfg.num_threads)
+            model = load_target(ecfg).model
+            verifier = TargetVerifier(model)
+            limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
+            self.backend = LocalTarget(verifier, cfg.num_threads)
+        self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
+        self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
         self.score.set_max_batch_size(spec.max_batch_size)
         self.score.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
@@ -64,21 +74,34 @@ class TargetDeployment:
         logger.info("target %s ready (tp_size=%d)", name, spec.tp_size)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def score(self, batches: list[list[ScoreRequest]]) -> list[list[torch.Tensor]]:
-        """One call per router round; concurrent rounds (several routers) share one forward."""
+    async def score(self, batches: list[list[ScoreRequest]], seen: list[list[int]],
+                    affinity: list[str | None]) -> list[Counted]:
+        """One call per router round; concurrent rounds (several routers) share one forward (split past
+        max_live_sequences). seen: per request, tokens an earlier round verified; affinity: the routing key. Each
+        call gets its logits and the tokens this replica recomputed for it."""
         flat = [r for b in batches for r in b]
+        expected = [n for s in seen for n in s]
         self.idle.touch([r.seq_id for r in flat])
         self.num_calls += len(batches)
-        self.num_forwards += 1
-        return split_like(await self.backend.score(flat), batches)
+        logits: list[torch.Tensor] = []
+        recomputed: list[int] = []
+        for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
+            out, counts = await self.backend.score(part, part_expected)
+            self.num_forwards += 1
+            logits += out
+            recomputed += counts
+        self.recomputed += sum(recomputed)
+        return [Counted(out, sum(counts), self.replica)
+                for out, counts in zip(split_like(logits, batches), split_like(recomputed, batches))]
 
-    async def release(self, seq_id: str) -> None:
+    async def release(self, seq_id: str, affinity: str | None = None) -> None:
         self.idle.forget(seq_id)
         await self.backend.release([seq_id])
 
     async def stats(self) -> dict:
-        return {"num_active": await self.backend.num_active(), "num_calls": self.num_calls,
-                "num_forwards": self.num_forwards, **self.backend.describe()}
+        return {"replica": self.replica, "num_active": await self.backend.num_active(), "num_calls": self.num_calls,
+                "num_forwards": self.num_forwards, "recomputed_tokens": self.recomputed,
+                "max_live_sequences": self.max_rows, **self.backend.describe()}
 
     async def check_health(self) -> None:
         """Raises when the model thread or any TP rank stops answering; drops state of long-idle sequences."""

@@ -19,11 +19,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..build import DTYPES, load_target, set_threads
 from ..config import EngineConfig
+from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..errors import S2DError
 from .app_config import TargetSpec
-from .replica import ModelThread, release_all
+from .replica import ModelThread, release_all, score_counted
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +59,25 @@ class TPWorker:
         self.thread = ModelThread(ecfg.num_threads)
         self.verifier: TargetVerifier | None = None
 
-    async def setup(self) -> dict:
-        return await self.thread.run(self._setup_sync)
+    async def setup(self, max_rows: int, max_slots: int) -> dict:
+        return await self.thread.run(self._setup_sync, max_rows, max_slots)
 
-    def _setup_sync(self) -> dict:
+    def _setup_sync(self, max_rows: int, max_slots: int) -> dict:
         import deepspeed  # heavy; only TP workers need it
         import torch.distributed as dist
 
-        loaded = load_target(self.ecfg)
+        loaded = load_target(self.ecfg, device="cpu")  # DeepSpeed moves each rank's shard to its GPU
         engine = deepspeed.init_inference(
             loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
             replace_with_kernel_inject=False,
         )
         self.verifier = TargetVerifier(engine.module)
+        limit_rows(self.verifier, max_rows, max_slots)
         return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid()}
 
-    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor] | None:
-        logits = await self.thread.run(self.verifier.score, requests)
-        # Only rank 0 ships logits; clone so each tensor pickles alone, not the whole batch's storage.
-        return [x.clone() for x in logits] if self.rank == 0 else None
+    async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list, list[int]] | None:
+        out = await self.thread.run(score_counted, self.verifier, requests, expected)
+        return out if self.rank == 0 else None  # only rank 0 ships logits
 
     async def release(self, seq_ids: list[str]) -> None:
         await self.thread.run(release_all, self.verifier, seq_ids)
@@ -91,7 +92,7 @@ class TPWorker:
 class TPGroup:
     """The replica's side of a TP target: starts the ranks in its placement group and drives them in lockstep."""
 
-    def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float) -> None:
+    def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float, max_slots: int) -> None:
         self.size, self.call_timeout_s = spec.tp_size, call_timeout_s
         self.port = free_port()
         self.broken: str | None = None
@@ -106,7 +107,8 @@ class TPGroup:
                     placement_group=pg, placement_group_bundle_index=rank + 1)
             self.workers.append(TPWorker.options(**opts).remote(rank, spec.tp_size, self.port, ecfg))
         try:
-            infos = ray.get([w.setup.remote() for w in self.workers], timeout=spec.tp_init_timeout_s)
+            infos = ray.get([w.setup.remote(spec.max_live_sequences, max_slots) for w in self.workers],
+                            timeout=spec.tp_init_timeout_s)
         except Exception as exc:
             self.close()
             raise TPGroupError(f"TP group for {spec.name} did not form within {spec.tp_init_timeout_s:.0f} s "
@@ -126,8 +128,8 @@ class TPGroup:
             logger.error("TP group broken: %s", self.broken)
             raise TPGroupError(f"TP group failed during {method} ({type(exc).__name__})") from exc
 
-    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
-        return (await self._all("score", requests))[0]
+    async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        return (await self._all("score", requests, expected))[0]
 
     async def release(self, seq_ids: list[str]) -> None:
         await self._all("release", seq_ids)

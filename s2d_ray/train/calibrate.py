@@ -11,13 +11,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from statistics import median
 
 import torch
 
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
+from ..fleet.measure import sync
 from .validate import PathPreds, adaptive_correct
 
 logger = logging.getLogger(__name__)
@@ -26,13 +28,22 @@ TAU_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01)  # 1.01: never leave 
 POLICIES = tuple([("fixed", k) for k in range(1, 9)] + [("heuristic", 3), ("heuristic", 5)])
 
 
+GRID_BATCHES = (1, 2, 4, 8, 16)
+GRID_POSITIONS = (1, 2, 4, 8, 12, 16, 24, 32)
+DRAFT_ROW_BATCH = 8
+
+
 @dataclass
 class Costs:
-    """Seconds: per exit, a draft token that leaves there (its layers + one head); one extra head; verify(n)."""
+    """Seconds: per exit, a draft token that leaves there (its layers + one head); one extra head; verify(n) at batch
+    1; verify_grid[B][n] (B rows of n positions each, one forward); draft_row: what each extra row adds to a draft
+    step (deepest exit)."""
 
     exit_token: list[float]
     head: float
     verify: dict[int, float]
+    verify_grid: dict[int, dict[int, float]] = field(default_factory=dict)
+    draft_row: float = 0.0
 
     def draft_token(self, exit_index: int) -> float:
         return self.exit_token[exit_index] + exit_index * self.head
@@ -44,6 +55,16 @@ class Costs:
         if hi == lo:
             return self.verify[lo] * (n / lo if n > hi else 1.0)
         return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (n - lo) / (hi - lo)
+
+    def to_profile(self) -> dict:
+        """The profile's `costs_ms`, as core/costs.py `CostModel.from_profile` reads it."""
+        out = {"exit_token": [round(1e3 * c, 3) for c in self.exit_token], "extra_head": round(1e3 * self.head, 3),
+               "verify": {str(n): round(1e3 * t, 3) for n, t in sorted(self.verify.items())},
+               "draft_row": round(1e3 * self.draft_row, 3)}
+        if self.verify_grid:
+            out["verify_grid"] = {str(b): {str(n): round(1e3 * t, 3) for n, t in sorted(row.items())}
+                                  for b, row in sorted(self.verify_grid.items())}
+        return out
 
 
 def simulate_timed(correct: list[bool], exits: list[int], costs: Costs, policy: str, k: int,
@@ -87,29 +108,67 @@ def search(preds: list[PathPreds], exit_layers: list[int], costs: Costs, grid=TA
 
 
 def _timeit(fn, repeat: int) -> float:
-    fn()  # warm-up
-    start = time.perf_counter()
+    """Median seconds of `repeat` calls after one warm-up (medians resist the other jobs on a shared machine)."""
+    fn()
+    times = []
     for _ in range(repeat):
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / repeat
+        times.append(time.perf_counter() - start)
+    return median(times)
 
 
 @torch.no_grad()
-def measure_costs(draft: SortedDraft, target_model, prompt: list[int], repeat: int = 5, k: int = 8) -> Costs:
-    """Batch-1 wall time per draft token at each single exit, of one LM head, and of verifying n tokens."""
-    exit_token = []
-    for e in draft.spec.exit_layers:
-        drafter = SortedDrafter(draft.with_exits([e], [0.0]))
-        # Alternate the last token so every call recomputes it plus k drafted positions (as after a verification).
-        reqs = [[DraftRequest("c", list(prompt[:-1]) + [last], k, SamplingParams())] for last in prompt[-2:]]
-        flip = itertools.cycle(reqs)
-        exit_token.append(_timeit(lambda: drafter.propose(next(flip)), repeat) / k)
+def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, positions=GRID_POSITIONS,
+                        repeat: int = 5) -> dict[int, dict[int, float]]:
+    """Seconds of one target forward over B rows of n positions each, every row's KV prefilled to `context`.
+
+    Each B gets a fresh verifier (the cache holds exactly B rows, as in an engine with B active sequences). Repeats
+    sweep all n in turn, so a burst of load elsewhere spreads over the grid instead of landing on one point."""
+    extra = (list(context[::-1]) * (max(positions) // max(len(context), 1) + 1))[: max(positions)]
+    grid: dict[int, dict[int, float]] = {}
+    for b in batches:
+        verifier = TargetVerifier(target_model)
+        ids = [f"g{i}" for i in range(b)]
+        for i in range(0, b, 4):  # prefill in chunks: bounded memory for the [rows, heads, q, kv] mask
+            verifier.score([ScoreRequest(s, list(context), 1) for s in ids[i : i + 4]])
+        reqs = {n: [ScoreRequest(s, list(context) + extra[:n], n) for s in ids] for n in positions}
+        for n in positions:  # warm-up
+            verifier.score(reqs[n])
+        times: dict[int, list[float]] = {n: [] for n in positions}
+        for _ in range(repeat):
+            for n in positions:
+                start = time.perf_counter()
+                verifier.score(reqs[n])
+                sync(verifier.stack.device)  # CUDA runs asynchronously: time the work, not its launch
+                times[n].append(time.perf_counter() - start)
+        grid[b] = {n: median(t) for n, t in times.items()}
+        logger.info("verify grid batch %d: %s ms", b, {n: round(1e3 * t, 2) for n, t in grid[b].items()})
+    return grid
+
+
+def _draft_depth(draft: SortedDraft, context: list[int], rows: int, repeat: int, k: int) -> float:
+    """Seconds per draft depth (one token per row) for `rows` sequences: propose k tokens from a recomputed last
+    token (alternated, as after a verification), divided by k."""
+    drafter = SortedDrafter(draft)
+    flips = [[DraftRequest(f"d{i}", list(context[:-1]) + [last], k, SamplingParams()) for i in range(rows)]
+             for last in (context[-1], next(t for t in context if t != context[-1]))]
+    flip = itertools.cycle(flips)
+    return _timeit(lambda: drafter.propose(next(flip)), repeat) / k
+
+
+@torch.no_grad()
+def measure_costs(draft: SortedDraft, target_model, context: list[int], repeat: int = 5, k: int = 8,
+                  batches=GRID_BATCHES, positions=GRID_POSITIONS) -> Costs:
+    """Per draft token at each single exit, one LM head, the verify grid (batch x positions), and the draft's
+    per-row cost, all at the given context (KV prefilled)."""
+    exit_token = [_draft_depth(draft.with_exits([e], [0.0]), context, 1, repeat, k) for e in draft.spec.exit_layers]
     h = torch.zeros(1, draft.parts.embed.weight.shape[1], dtype=draft.stack.dtype)
     head = _timeit(lambda: draft.stack.logits(h), repeat * 4)
-    verifier = TargetVerifier(target_model)
-    verifier.score([ScoreRequest("v", list(prompt), 1)])
-    verify = {}
-    for n in (1, 2, 4, 8, 12, 17):
-        toks = list(prompt) + [int(prompt[-1])] * (n - 1)
-        verify[n] = _timeit(lambda: verifier.score([ScoreRequest("v", toks, n)]), repeat)
-    return Costs(exit_token, head, verify)
+    if 1 not in batches:
+        raise ValueError("the verify grid needs batch 1 (plain decoding's cost)")
+    grid = measure_verify_grid(target_model, context, batches, positions, repeat)
+    deepest = draft.with_exits([draft.spec.exit_layers[-1]], [0.0])
+    many = _draft_depth(deepest, context, DRAFT_ROW_BATCH, repeat, k)
+    draft_row = max(many - exit_token[-1], 0.0) / (DRAFT_ROW_BATCH - 1)
+    return Costs(exit_token, head, dict(grid[1]), grid, draft_row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from ..build import build_draft, load_profile, load_target, set_threads
 from ..commands.engine_args import add_engine_args, engine_config
 from ..config import DATA_DIR
-from .calibrate import measure_costs, search
+from .calibrate import DRAFT_ROW_BATCH, GRID_BATCHES, GRID_POSITIONS, Costs, measure_costs, search
 from .data import load_examples, pack
 from .forward import SubVocab
 from .selfdistill import generate_responses, pick_rows
@@ -24,7 +25,13 @@ logger = logging.getLogger(__name__)
 def register_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="measure each exit's acceptance and cost for a target; write its profile")
     add_engine_args(p)
-    p.add_argument("--out", required=True, help="profile JSON to write (pass it later as --calibration)")
+    p.add_argument("--out", default=None, help="profile JSON to write (pass it later as --calibration)")
+    p.add_argument("--costs-only", action="store_true",
+                   help="re-measure only the costs of an existing --profile (its target, draft and dtype); keep its "
+                        "acceptance and chosen settings")
+    p.add_argument("--profile", default=None, help="with --costs-only: the profile to refresh in place")
+    p.add_argument("--context", type=int, default=256, help="tokens of KV prefilled before costs are timed")
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cost (the median is kept)")
     p.add_argument("--data", default=str(DATA_DIR / "train" / "instructions.jsonl"),
                    help="calibration instructions: the held-out split of this file (never Spec-Bench)")
     p.add_argument("--paths", default=None, help="JSONL of the target's greedy responses (made if missing)")
@@ -42,10 +49,50 @@ def data_relative(path: Path) -> str:
         return str(path) if not path.is_absolute() else path.name
 
 
+def cost_context(tokenizer, length: int) -> list[int]:
+    """`length` tokens of chat-templated questions: costs depend on the context length, not on the tokens."""
+    from ..bench.steps import bench_prompts, context_ids
+
+    return context_ids(bench_prompts(tokenizer, None, 3), length)
+
+
+def measure_profile_costs(cfg, args: argparse.Namespace, target=None, draft=None) -> tuple[Costs, dict]:
+    """Costs, and the profile fields that record them (`costs_ms`, how measured), for this config's target, draft
+    and dtype."""
+    target = target or load_target(cfg)
+    draft = draft or build_draft(cfg, target, load_profile(cfg))
+    costs = measure_costs(draft, target.model, cost_context(target.tokenizer, args.context), repeat=args.repeats)
+    return costs, {"costs_ms": costs.to_profile(), "dtype": cfg.target.dtype,
+                       "costs_measured": {"context": args.context, "repeats": args.repeats, "statistic": "median",
+                                      "batches": list(GRID_BATCHES), "positions": list(GRID_POSITIONS),
+                                      "draft_row_batch": DRAFT_ROW_BATCH, "load_average": list(os.getloadavg())}}
+
+
+def refresh_costs(args: argparse.Namespace) -> int:
+    """Re-measure an existing profile's costs only (acceptance takes long and does not depend on the machine)."""
+    if not args.profile:
+        raise ValueError("--costs-only needs --profile PATH")
+    path = Path(args.profile)
+    if not path.is_file():
+        raise ValueError(f"profile {path} does not exist")
+    profile = json.loads(path.read_text())
+    dtype = profile.get("dtype") or profile.get("measured_with", "float32").split(",")[0]
+    args.target, args.draft, args.dtype, args.calibration = profile["target"], profile["draft"], dtype, "off"
+    profile.update(measure_profile_costs(engine_config(args), args)[1])
+    out = Path(args.out) if args.out else path
+    out.write_text(json.dumps(profile, indent=2))
+    print(json.dumps({"profile": str(out), "costs_ms": profile["costs_ms"]}))
+    return 0
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+    if min(args.num_prompts, args.max_new_tokens, args.context, args.repeats) < 1:
+        raise ValueError("--num-prompts, --max-new-tokens, --context and --repeats must be >= 1")
     set_threads(args.threads)
+    if args.costs_only:
+        return refresh_costs(args)
+    if not args.out:
+        raise ValueError("calibrate needs --out PATH (or --costs-only --profile PATH)")
     cfg = engine_config(args)
     out = Path(args.out)
     paths = Path(args.paths) if args.paths else out.with_suffix(".paths.jsonl")
@@ -60,8 +107,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"{paths} holds no responses to held-out instructions; calibrate on held-out prompts only")
     vocab = SubVocab(draft.vocab_ids, target.model.config.vocab_size)
     preds = path_predictions(draft.parts, draft.layers, rows, exits, vocab)
-    prompt = rows[0].ids[0, :64].tolist()
-    costs = measure_costs(draft, target.model, prompt)
+    costs, measured = measure_profile_costs(cfg, args, target, draft)
     ranked = search(preds, exits, costs, max_k=cfg.spec.max_k)
     best = ranked[0]
     paper = next(r for r in ranked if r["thresholds"] == [0.5] * (len(exits) - 1) + [0.0]
@@ -69,12 +115,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile = {"target": cfg.target.resolved_source, "draft": cfg.draft.source, "exit_layers": exits,
                "thresholds": best["thresholds"], "policy": best["policy"], "k": best["k"],
                "modelled": {"speedup": round(best["speedup"], 4), "mat": round(best["mat"], 4)},
-               "measured_with": f"{cfg.target.dtype}, {torch.get_num_threads()} threads",
                "paper_defaults_modelled": {"speedup": round(paper["speedup"], 4), "mat": round(paper["mat"], 4)},
                "on_path": summarize(preds, exits, best["thresholds"]),
-               "costs_ms": {"exit_token": [round(1e3 * c, 3) for c in costs.exit_token],
-                            "extra_head": round(1e3 * costs.head, 3),
-                            "verify": {str(n): round(1e3 * t, 3) for n, t in costs.verify.items()}},
+               **measured,
                "calibration_set": {"file": data_relative(Path(args.data)), "split": "heldout", "paths": str(paths),
                                    "responses": len(preds), "tokens": sum(len(p.labels) for p in preds)},
                "top5": [{**r, "speedup": round(r["speedup"], 4), "mat": round(r["mat"], 4)} for r in ranked[:5]]}

@@ -73,3 +73,21 @@ def test_ar_mode_matches_transformers_generate(smollm2):
                                     max_new_tokens=48, do_sample=False, eos_token_id=None,
                                     pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
     assert_same_or_near_tie(smollm2.model, ids, hf, ours)
+
+
+def test_logprobs_match_a_plain_forward_on_real_weights(smollm2, bf16_draft):
+    """Served logprobs are the target's: S2D and target-only agree with log_softmax of one HF forward (fp32)."""
+    torch.set_num_threads(2)
+    tok = smollm2.tokenizer
+    prompt = encode_prompt(tok, PROMPTS[0], chat=True)
+    engines = {"ar": SpecEngine(TargetVerifier(smollm2.model)),
+               "s2d": SpecEngine(TargetVerifier(smollm2.model), SortedDrafter(bf16_draft), HeuristicK())}
+    for name, engine in engines.items():
+        res = engine.generate([GenerationRequest(name, prompt, 16, logprobs=3, prompt_logprobs=True)])[0]
+        with torch.no_grad():
+            ref = smollm2.model(torch.tensor([prompt + res.token_ids])).logits[0, :-1].log_softmax(-1)
+        got = [lp.logprob for lp in res.prompt_logprobs[1:]] + [lp.logprob for lp in res.logprobs]
+        want = [float(ref[j, t]) for j, t in enumerate((prompt + res.token_ids)[1:])]
+        assert got == pytest.approx(want, abs=1e-3), name
+        if name == "s2d":
+            assert res.metrics["num_accepted_draft_tokens"] > 0

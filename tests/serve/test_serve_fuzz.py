@@ -55,7 +55,7 @@ NASTY = [  # (id, path, raw body, status)
     ("stop-null-item", "completions", _raw(OK, stop=[None]), 400),
     ("content-parts-image", "chat/completions",
      _raw(CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]), 400),
-    ("prompt-list-of-lists", "completions", _raw(OK, prompt=[[1, 2], [3]]), 400),
+    ("prompt-list-of-float-lists", "completions", _raw(OK, prompt=[[1, 2], [3.5]]), 400),  # [[1, 2], [3]] is a batch
     ("max-tokens-as-float-string", "completions", _raw(OK, max_tokens="1e3"), 400),
 ]
 

@@ -110,8 +110,9 @@ def test_idle_ttl_drops_state_a_dead_router_left(limits_app):
     draft = serve.get_deployment_handle("draft", APP)
     target = serve.get_deployment_handle("target-tiny-a", APP)
     tokens = list(range(5, 25))
-    [proposal] = draft.propose.remote("tiny-a", [DraftRequest("orphan-draft", tokens, 3)]).result()
-    [logits] = target.score.remote([ScoreRequest("orphan-target", tokens, 1)]).result()
+    [proposal] = draft.propose.remote("tiny-a", [DraftRequest("orphan-draft", tokens, 3)], [0],
+                                      affinity=None).result().results
+    [logits] = target.score.remote([ScoreRequest("orphan-target", tokens, 1)], [0], affinity=None).result().results
     touched = time.monotonic()
     assert len(proposal.tokens) <= 3 and logits.shape[0] == 1
     stats = limits_app.handle.stats.remote().result()

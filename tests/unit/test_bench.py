@@ -165,7 +165,9 @@ def test_steps_report_on_a_tiny_model(tiny_dir, questions_file, tmp_path, capsys
     assert all(p["same_tokens"] for p in r["ar_vs_generate"]["prompts"])
     for o in r["overhead"]:
         assert 0 < o["outside_forwards_frac"] < 1 and o["rounds"] > 0
-    assert "target verify k=3 (4 positions)" in capsys.readouterr().out
+    assert list(r["verify_grid_ms"]) == ["1", "2", "4", "8", "16"] and len(r["verify_grid_ms"]["16"]) == 8
+    out = capsys.readouterr().out
+    assert "target verify k=3 (4 positions)" in out and "| 16 | " in out
 
 
 # --- the load client ---------------------------------------------------------------------------------------------

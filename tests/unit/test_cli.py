@@ -18,17 +18,22 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
 def test_generate_json_same_tokens_in_every_mode(tiny_llama_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What is the capital of France?"}\n{"prompt": "Write a poem"}\n')
-    outs = {}
+    outs, lps = {}, {}
     for mode in ("ar", "s2d", "exit:1"):
+        # fp32: token for token (bf16, `auto` here, only up to near-ties)
         code = main(["generate", "--target", str(tiny_llama_dir), "--draft", f"cut:{tiny_llama_dir}:2", "--mode", mode,
                      "--prompt-file", str(prompts), "--chat", "--max-new-tokens", "12", "--json", "--batch-size", "2",
-                     "--dtype", "float32"])  # token for token in fp32 (bf16, `auto` here, only up to near-ties)
+                     "--logprobs", "2", "--dtype", "float32"])
         assert code == 0
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert len(rows) == 2 and all(len(r["token_ids"]) <= 12 for r in rows)
         assert {"mean_acceptance_length", "acceptance_histogram", "exit_histogram"} <= set(rows[0]["metrics"])
         outs[mode] = [r["token_ids"] for r in rows]
+        assert all([e["token_id"] for e in r["logprobs"]] == r["token_ids"] for r in rows)
+        assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for r in rows for e in r["logprobs"])
+        lps[mode] = [e["logprob"] for r in rows for e in r["logprobs"]]
     assert outs["ar"] == outs["s2d"] == outs["exit:1"]
+    assert lps["s2d"] == pytest.approx(lps["ar"], abs=1e-4) and lps["exit:1"] == pytest.approx(lps["ar"], abs=1e-4)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -38,6 +43,7 @@ def test_generate_json_same_tokens_in_every_mode(tiny_llama_dir, tmp_path, capsy
     (["generate", "--prompt", "hi", "--target", "/nonexistent/model"], "does not exist"),
     (["generate", "--prompt-file", "/nonexistent.txt"], "does not exist"),
     (["generate", "--prompt", "hi", "--exits", "a,b"], "integers"),
+    (["generate", "--prompt", "hi", "--logprobs", "3"], "--logprobs needs --json"),
 ])
 def test_bad_arguments_print_one_line_and_exit_2(args, needle):
     proc = run_cli(args)

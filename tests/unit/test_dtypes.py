@@ -104,31 +104,36 @@ def _local_yaml_engine(name: str):
                                  detokenize=None)
 
 
-@pytest.mark.parametrize("present, dtype, profile_file, policy", [
-    (("avx512_bf16",), "bfloat16", f"{INSTRUCT}.bfloat16.json", FixedK(1)),
-    ((), "float32", f"{INSTRUCT}.json", HeuristicK(start=3, max_k=16)),
+@pytest.mark.parametrize("present, dtype, profile_file", [
+    (("avx512_bf16",), "bfloat16", f"{INSTRUCT}.bfloat16.json"),
+    ((), "float32", f"{INSTRUCT}.json"),
 ])
 def test_local_yaml_says_nothing_about_speculation_so_the_profile_of_the_resolved_dtype_decides(
-        flags, present, dtype, profile_file, policy):
+        flags, present, dtype, profile_file):
     import json
 
     from s2d_ray.build import COMMITTED_DRAFTS
+    from s2d_ray.core.budget import TreeShape
 
     flags(*present)
     ecfg, engine = _local_yaml_engine(INSTRUCT)
     assert ecfg.target.dtype == dtype
-    assert not {"policy", "k"} & ecfg.spec.model_fields_set
+    assert not {"policy", "k", "width", "lookup", "max_nodes"} & ecfg.spec.model_fields_set
     profile = json.loads((COMMITTED_DRAFTS / "smollm2-135m-s2d" / "calibration" / profile_file).read_text())
-    assert (profile["policy"], profile["k"]) == ("fixed" if isinstance(policy, FixedK) else "heuristic",
-                                                 policy.initial())
-    assert engine.policy == policy
+    # The profile's speculation shape and its measured costs (of THIS dtype) drive the engine.
+    assert engine.policy == FixedK(profile["k"])  # auto's fallback when no costs; here costs exist
+    assert engine.budget.shape == TreeShape(profile["width"], profile["lookup"], profile["max_nodes"])
+    assert engine.budget.load_aware and profile["policy"] == "auto"
+    grid = profile["costs_ms"]["verify_grid"]
+    assert engine.budget.costs.verify(8, 4) == pytest.approx(grid["8"]["4"])
 
 
 def test_a_served_spec_field_overrides_the_profile(flags):
     flags("avx512_bf16")
     from s2d_ray.build import effective_spec, load_profile
 
-    cfg = AppConfig.model_validate({"targets": [{"name": INSTRUCT}], "spec": {"k": 4}})
+    cfg = AppConfig.model_validate({"targets": [{"name": INSTRUCT}], "spec": {"k": 4, "width": 2}})
     ecfg = cfg.engine_config(INSTRUCT)
     spec = effective_spec(ecfg, load_profile(ecfg))
-    assert (spec.policy, spec.k) == ("fixed", 4)  # k from the YAML, the policy still from the bf16 profile
+    # k and width from the YAML; the policy and lookup still from the bf16 profile
+    assert (spec.policy, spec.k, spec.width, spec.lookup) == ("auto", 4, 2, True)

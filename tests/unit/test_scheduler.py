@@ -19,6 +19,7 @@ from s2d_ray.core.policy import FixedK
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.errors import CapacityError, RequestError, ServiceUnavailableError
 from s2d_ray.serve.metrics import ServeMetrics
+from s2d_ray.serve.replica import Counted, recomputed_tokens, score_counted
 from s2d_ray.serve.scheduler import DraftClient, TargetClient, TargetScheduler
 
 NEW_TOKENS = 12
@@ -35,28 +36,30 @@ class LocalHandle:
     def __getattr__(self, name: str):
         fn = getattr(self.obj, name)
 
-        async def call(*args):
+        async def call(*args, **kwargs):
             if name == "score" and self.gate is not None:
                 self.entered.set()
                 await self.gate.wait()
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return SimpleNamespace(remote=call)
 
 
 class DraftReplica:
-    """The draft deployment's call shape: propose(target, drafts); `fail` makes every propose raise."""
+    """The draft deployment's call shape: propose(target, drafts, seen, affinity=) -> Counted; `fail` makes every
+    propose raise."""
 
     def __init__(self, drafter: SortedDrafter) -> None:
         self.drafter, self.fail, self.calls = drafter, False, 0
 
-    def propose(self, target: str, drafts):
+    def propose(self, target: str, drafts, seen, affinity=None):
         self.calls += 1
         if self.fail:
             raise RuntimeError("draft replica died")
-        return self.drafter.propose(drafts)
+        recomputed = sum(recomputed_tokens(self.drafter.table, drafts, seen))
+        return Counted(self.drafter.propose(drafts), recomputed, "local")
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, affinity=None) -> None:
         self.drafter.release(seq_id)
 
 
@@ -66,13 +69,14 @@ class TargetReplica:
     def __init__(self, verifier: TargetVerifier) -> None:
         self.verifier, self.batches, self.fail = verifier, [], False
 
-    def score(self, requests):
+    def score(self, requests, seen, affinity=None):
         self.batches.append([r.seq_id for r in requests])
         if self.fail:
             raise RuntimeError("target replica died")
-        return self.verifier.score(requests)
+        logits, recomputed = score_counted(self.verifier, requests, seen)
+        return Counted(logits, sum(recomputed), "local")
 
-    def release(self, seq_id: str) -> None:
+    def release(self, seq_id: str, affinity=None) -> None:
         self.verifier.release(seq_id)
 
 

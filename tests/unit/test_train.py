@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import make_tiny_tokenizer, save_tiny_llama
+from s2d_ray.core.costs import CostModel
 from s2d_ray.train.data import is_heldout, pack, render_example
 from s2d_ray.train.forward import SubVocab, exit_logits, simulate_mat, soft_loss
 from s2d_ray.train.soft import Run, SoftConfig
@@ -181,9 +182,37 @@ def test_measured_costs_have_one_entry_per_exit(tiny_llama_dir):
 
     base = load_model(str(tiny_llama_dir))
     draft = SortedDraft.cut(base.model, str(tiny_llama_dir), 2, [1, 2])
-    costs = measure_costs(draft, base.model, list(range(3, 40)), repeat=1, k=3)
+    costs = measure_costs(draft, base.model, list(range(3, 40)), repeat=1, k=3, batches=(1, 2, 4), positions=(1, 3))
     assert len(costs.exit_token) == 2 and all(c > 0 for c in costs.exit_token)
-    assert set(costs.verify) == {1, 2, 4, 8, 12, 17} and costs.head > 0
+    assert set(costs.verify) == {1, 3} and costs.head > 0 and costs.draft_row >= 0
+    assert {b: set(row) for b, row in costs.verify_grid.items()} == {1: {1, 3}, 2: {1, 3}, 4: {1, 3}}
+    # The engine's cost model reads what calibration writes: the measured points back, in ms.
+    model = CostModel.from_profile({"costs_ms": costs.to_profile()})
+    assert model.verify(4, 3) == pytest.approx(1e3 * costs.verify_grid[4][3], abs=1e-3)
+    assert model.draft(1) == pytest.approx(1e3 * costs.draft_token(1), abs=2e-3)
+
+
+def test_calibrate_costs_only_refreshes_costs_and_keeps_acceptance(tmp_path, tiny_llama_dir, capsys):
+    from s2d_ray.cli import main
+
+    draft = f"cut:{tiny_llama_dir}:2:1,2"
+    old = {"target": str(tiny_llama_dir), "draft": draft, "exit_layers": [1, 2], "thresholds": [0.4, 0.0],
+           "policy": "fixed", "k": 3, "on_path": {"tokens": 99}, "measured_with": "float64, 1 threads",
+           "costs_ms": {"exit_token": [9.0, 9.0], "extra_head": 9.0, "verify": {"1": 9.0}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(old))
+    rc = main(["calibrate", "--costs-only", "--profile", str(path), "--threads", "1", "--context", "24",
+               "--repeats", "1"])
+    assert rc == 0
+    new = json.loads(path.read_text())
+    assert {k: new[k] for k in ("thresholds", "policy", "k", "on_path")} == {k: old[k] for k in
+                                                                               ("thresholds", "policy", "k", "on_path")}
+    assert new["dtype"] == "float64" and new["costs_ms"]["exit_token"] != [9.0, 9.0]
+    grid = new["costs_ms"]["verify_grid"]
+    assert list(grid) == ["1", "2", "4", "8", "16"] and list(grid["16"]) == ["1", "2", "4", "8", "12", "16", "24", "32"]
+    assert CostModel.from_profile(new).step(16) > 0
+    assert main(["calibrate", "--costs-only", "--profile", str(tmp_path / "missing.json")]) != 0
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_calibrate_cli_writes_a_profile_the_engine_reads(tmp_path, tiny_llama_dir, capsys):

@@ -1,0 +1,139 @@
+"""`python -m s2d_ray.bench.gpu_check --out DIR [--tiny]`: what one GPU session should measure (scripts/gpu_check.sh).
+
+1. the device row of the fleet model (bandwidth, FLOP/s, overheads; fleet/measure.py) in bf16;
+2. verify costs by batch x positions for Llama-2-7B- and 13B-shaped models and ONE rank of Llama-2-70B at TP 4,
+   with random bf16 weights: a model of few layers is timed at two depths, which separates the per-layer cost
+   from the fixed one, and the whole model's cost is fixed + layers x per-layer (all-reduces of TP not included);
+   the roofline prediction of the same forwards is printed beside each measurement;
+3. the engine's `ar` and `s2d` round time on the 7B-shaped model, against one verify forward of the same width.
+`--tiny` shrinks every width so the same code path runs on a CPU in seconds (the dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..fleet.hardware import DEVICES, Device
+from ..fleet.measure import device_fields, measure_device, random_llama, sync
+from ..fleet.model import forward_ms
+from ..fleet.shapes import SHAPES, ModelShape
+from ..train.calibrate import measure_verify_grid
+
+logger = logging.getLogger(__name__)
+
+BATCHES = (1, 2, 4, 8, 16, 32)
+POSITIONS = (1, 2, 4, 8, 16)
+
+
+def shapes(tiny: bool) -> dict[str, ModelShape]:
+    out = {"llama-2-7b": SHAPES["llama-2-7b"], "llama-2-13b": SHAPES["llama-2-13b"],
+           "llama-2-70b-tp4-rank": SHAPES["llama-2-70b"].shard(4)}
+    if tiny:
+        out = {k: replace(s, hidden=s.hidden // 32, intermediate=s.intermediate // 32, head_dim=s.head_dim // 8,
+                          vocab=512) for k, s in out.items()}
+    return out
+
+
+def scaled_grid(shape: ModelShape, dtype: torch.dtype, device: torch.device, depths: tuple[int, int], context: int,
+                batches, positions, repeat: int) -> dict:
+    """The whole model's verify grid from two shallow ones: fixed + layers x per-layer, per (B, n)."""
+    grids = {}
+    for depth in depths:
+        model = random_llama(shape, depth, dtype, device)
+        ctx = [(13 * i) % (shape.vocab - 3) + 3 for i in range(context)]
+        grids[depth] = measure_verify_grid(model, ctx, batches, positions, repeat)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    lo, hi = depths
+    out = {}
+    for b in batches:
+        out[str(b)] = {}
+        for n in positions:
+            t_lo, t_hi = 1e3 * grids[lo][b][n], 1e3 * grids[hi][b][n]
+            per_layer = max((t_hi - t_lo) / (hi - lo), 0.0)
+            out[str(b)][str(n)] = {"per_layer_ms": round(per_layer, 4), "fixed_ms": round(max(t_lo - lo * per_layer, 0), 4),
+                                   "whole_ms": round(max(t_lo - lo * per_layer, 0) + shape.layers * per_layer, 3)}
+    return out
+
+
+def engine_rounds(shape: ModelShape, dtype: torch.dtype, device: torch.device, layers: int, draft_layers: int,
+                  batch: int, tokens: int) -> dict:
+    """ms per round of the engine in `ar` and `s2d` (fixed k = 4, a cut draft of the first layers), and per token."""
+    from ..core.draft import SortedDraft, SortedDrafter
+    from ..core.engine import GenerationRequest, SpecEngine
+    from ..core.policy import FixedK
+    from ..core.target import TargetVerifier
+
+    model = random_llama(shape, layers, dtype, device)
+    prompts = [[(7 * i + j) % (shape.vocab - 3) + 3 for i in range(128)] for j in range(batch)]
+    out = {}
+    for mode in ("ar", "s2d"):
+        drafter = None
+        if mode == "s2d":
+            drafter = SortedDrafter(SortedDraft.cut(model, "random", draft_layers, [draft_layers]))
+        engine = SpecEngine(TargetVerifier(model), drafter, policy=FixedK(4))
+        engine.generate([GenerationRequest("warm", prompts[0], 8)])
+        sync(device)
+        t0 = time.perf_counter()
+        res = engine.generate([GenerationRequest(f"s{i}", p, tokens) for i, p in enumerate(prompts)])
+        sync(device)
+        secs = time.perf_counter() - t0
+        rounds = max(r.metrics["num_target_forwards"] for r in res)  # rows share rounds: the longest row counts
+        out[mode] = {"seconds": secs, "tokens": sum(len(r.token_ids) for r in res), "rounds": rounds,
+                     "ms_per_round": 1e3 * secs / max(rounds, 1),
+                     "tokens_per_s": sum(len(r.token_ids) for r in res) / secs}
+    return out
+
+
+def run(out_dir: Path, tiny: bool) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
+    logger.info("gpu check on %s (%s), %s", device, name, dtype)
+    result = {"device": str(device), "device_name": name, "dtype": str(dtype), "tiny": tiny}
+    t0 = time.perf_counter()
+    result["device_row"] = measure_device(shapes(tiny)["llama-2-7b"], dtype, device, 12, quick=tiny)
+    logger.info("device row: %s (%.0f s)", result["device_row"], time.perf_counter() - t0)
+    measured = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0, **device_fields(result["device_row"]))
+    batches, positions = ((1, 2, 4), (1, 2, 4)) if tiny else (BATCHES, POSITIONS)
+    context, repeat, depths = (32, 2, (1, 2)) if tiny else (256, 7, (2, 4))
+    result["verify"] = {}
+    for key, shape in shapes(tiny).items():
+        t0 = time.perf_counter()
+        grid = scaled_grid(shape, dtype, device, depths, context, batches, positions, repeat)
+        for b, by_n in grid.items():
+            for n, cell in by_n.items():
+                cell["roofline_ms"] = round(forward_ms(shape, measured, int(b), int(n), context), 3)
+        result["verify"][key] = {"shape": shape.__dict__, "context": context, "grid": grid}
+        logger.info("%s done (%.0f s)", key, time.perf_counter() - t0)
+    s7 = shapes(tiny)["llama-2-7b"]
+    result["engine"] = {str(b): engine_rounds(s7, dtype, device, *((2, 1) if tiny else (4, 2)), b, 16 if tiny else 64)
+                        for b in (1, 8)}
+    for name_, dev in DEVICES.items():  # the datasheet rows this run can correct
+        result.setdefault("table_rows", {})[name_] = dev.__dict__
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny widths: a dry run on CPU")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    res = run(args.out, args.tiny)
+    print(json.dumps({"device": res["device_name"], "device_row": res["device_row"], "engine": res["engine"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

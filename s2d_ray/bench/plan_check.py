@@ -1,0 +1,166 @@
+"""`s2d bench plan-check`: does the fleet model, given this CPU's measured bandwidth, FLOP/s and overheads, predict
+what the engine actually does here? Measures the device row, predicts `ar` and `s2d` tokens/s at batch 1 and 8,
+runs the in-process engine on the same prompts, and prints the errors.
+
+The prediction uses only: the model's shapes, the device row measured here (never the engine's own timings), and
+the draft's per-token agreement from the calibration profile (as `s2d plan` does). A second S2D prediction uses the
+run's own measured MAT, so the cost model's error and the acceptance model's error can be told apart.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from dataclasses import dataclass, replace
+from statistics import median
+
+import torch
+
+from ..build import build_engine, load_profile, load_target, set_threads
+from ..config import DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..core.engine import GenerationRequest
+from ..fleet.hardware import DEVICES
+from ..fleet.measure import device_fields, measure_device
+from ..fleet.model import DTYPE_BYTES, Replica, forward_ms, mat
+from ..fleet.plan import draft_shape_of, model_shape
+from .machine import machine_info
+from ..prompts import encode_messages
+from ..train.data import messages_of
+from .steps import bench_prompts
+
+MAX_ERROR = 0.15
+HELDOUT = Path("/work/shared/data/train/instructions.jsonl")  # calibrate's default --data
+
+
+@dataclass
+class PlanCheck:
+    target: str = "smollm2-135m-instruct"
+    draft: str = "smollm2-135m-s2d"
+    dtype: str = "bfloat16"
+    threads: int = 1
+    tokens: int = 64
+    batches: tuple[int, ...] = (1, 8)
+    repeats: int = 3
+    quick: bool = False
+    prompts: str = "heldout"  # heldout: the calibration set's distribution; specbench: other prompts
+
+
+def predict(rep: Replica, groups: list[list[int]], k: int, tokens: int, measured_mat: float | None = None) -> float:
+    """Tokens/s of batches run one after another (`groups`: each batch's prompt lengths), each generating `tokens`
+    per row after a prefill as wide as its longest prompt (as the engine pads it; the draft prefills too when it
+    drafts), decoding at context prompt + tokens / 2; with `measured_mat`, that MAT replaces the model's."""
+    m = mat(rep.agree, k) if measured_mat is None else measured_mat
+    total_ms = 0.0
+    for lengths in groups:
+        batch, width = len(lengths), max(lengths)
+        at = replace(rep, context=int(sum(lengths) / batch + tokens / 2))
+        total_ms += forward_ms(at.target.shard(at.tp), at.dev, batch, width, 0, at.dtype_bytes)
+        if k and at.draft is not None:
+            total_ms += forward_ms(at.draft, at.dev, batch, width, 0, at.dtype_bytes,
+                                   int(at.draft_depth or at.draft.layers))
+        total_ms += tokens / m * at.round_ms(batch, k)
+    return 1e3 * tokens * sum(len(g) for g in groups) / total_ms
+
+
+def check_prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
+    """Chat-templated first turns: held-out instructions (the calibration profile's own distribution, so its
+    acceptance applies) or Spec-Bench questions (how acceptance transfers to other prompts)."""
+    if kind == "specbench":
+        return bench_prompts(tokenizer, None, n)
+    from ..train.selfdistill import pick_rows
+
+    rows = pick_rows(HELDOUT, n, 0, "heldout", {"gsm8k_train": 0.25})
+    if len(rows) < n:
+        raise ValueError(f"{HELDOUT} has fewer than {n} held-out instructions")
+    return [encode_messages(tokenizer, [m for m in messages_of(r) if m["role"] == "user"][:1]) for r in rows]
+
+
+def run_engine(built, groups: list[list[list[int]]], tokens: int, repeats: int) -> tuple[float, float]:
+    """Median tokens/s over repeats of running every group as one batch, one group after another, and the mean
+    acceptance length of the run."""
+    engine = built.engine
+    engine.generate([GenerationRequest("warm", groups[0][0], 4)])
+    rates, mats = [], []
+    for r in range(repeats):
+        t0, n = time.perf_counter(), 0
+        for g, prompts in enumerate(groups):
+            out = engine.generate([GenerationRequest(f"r{r}-{g}-{i}", p, tokens) for i, p in enumerate(prompts)])
+            n += sum(len(o.token_ids) for o in out)
+            mats += [o.metrics["mean_acceptance_length"] for o in out]
+        rates.append(n / (time.perf_counter() - t0))
+    return median(rates), sum(mats) / len(mats)
+
+
+def run_check(run: PlanCheck) -> dict:
+    set_threads(run.threads)
+    dtype = getattr(torch, run.dtype)
+    cfg = EngineConfig(target=TargetConfig(name=run.target, dtype=run.dtype), draft=DraftConfig(source=run.draft),
+                       num_threads=run.threads)
+    target = load_target(cfg, device="cpu")
+    shape, (dshape, depth) = model_shape(run.target), draft_shape_of(run.draft)
+    measured = measure_device(shape, dtype, torch.device("cpu"), depth, quick=run.quick)
+    dev = DEVICES["this-cpu"].at(**device_fields(measured))
+    profile = load_profile(cfg) or {}
+    agree = float(profile.get("on_path", {}).get("s2d_agree", 0.0))
+    k = int(profile.get("k", 5))
+    prompts = check_prompts(target.tokenizer, run.prompts, max(run.batches))
+    base = Replica(shape, dev, draft=dshape, draft_depth=depth, agree=agree, dtype_bytes=DTYPE_BYTES[run.dtype])
+    engines = {"ar": build_engine(cfg.model_copy(update={"spec": SpecConfig(mode="ar")}), target),
+               "s2d": build_engine(cfg.model_copy(update={"spec": SpecConfig(mode="s2d", policy="fixed", k=k)}),
+                                   target)}
+    rows = []
+    for batch in run.batches:  # every batch size runs the same prompts: groups of `batch`
+        groups = [prompts[i : i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
+        lengths = [[len(p) for p in g] for g in groups]
+        for mode, built in engines.items():
+            tps, mat_run = run_engine(built, groups, run.tokens, run.repeats)
+            kk = 0 if mode == "ar" else k
+            pred = predict(base, lengths, kk, run.tokens)
+            row = {"mode": mode, "batch": batch, "k": kk, "prompt_lengths": lengths,
+                   "measured_tps": tps, "predicted_tps": pred, "error": pred / tps - 1, "measured_mat": mat_run, "predicted_mat": mat(agree, kk)}
+            if mode == "s2d":
+                row["predicted_tps_measured_mat"] = predict(base, lengths, kk, run.tokens, mat_run)
+                row["error_measured_mat"] = row["predicted_tps_measured_mat"] / tps - 1
+            rows.append(row)
+    return {"machine": machine_info(), "run": run.__dict__, "device_measured": measured, "agree": agree, "k": k,
+            "rows": rows, "max_abs_error": max(abs(r["error"]) for r in rows),
+            "verify_grid": grid_errors(base, profile)}
+
+
+def grid_errors(rep: Replica, profile: dict) -> dict | None:
+    """The model's verify costs against the profile's calibrated grid (measured at its own context, by calibrate)."""
+    grid = (profile.get("costs_ms") or {}).get("verify_grid")
+    if not grid:
+        return None
+    context = int((profile.get("costs_measured") or {}).get("context", 256))
+    at = replace(rep, context=context)  # the grid's own context
+    errors = {b: {n: at.verify_ms(int(b), int(n)) / ms - 1 for n, ms in row.items()} for b, row in grid.items()}
+    flat = [abs(e) for row in errors.values() for e in row.values()]
+    return {"context": context, "errors": errors, "mean_abs_error": sum(flat) / len(flat), "max_abs_error": max(flat)}
+
+
+def check_markdown(r: dict) -> str:
+    m = r["device_measured"]
+    lines = [f"This CPU, {r['run']['threads']} thread(s), {r['run']['dtype']}: bandwidth {m['bandwidth_gbs']:.1f} GB/s, "
+             f"{m['tflops'] * 1e3:.0f} GFLOP/s (peak {m['peak_tflops'] * 1e3:.0f}), {m['layer_overhead_ms']:.3f} "
+             f"ms/layer, {m['forward_overhead_ms']:.3f} ms/forward, {m['row_overhead_ms']:.3f} ms/row, "
+             f"{m['round_overhead_ms']:.3f} ms/round, {m['draft_depth_overhead_ms']:.3f} ms/draft depth; "
+             f"agreement {r['agree']:.3f} (profile), k {r['k']}, {r['run']['prompts']} prompts; predictions include the prefill.", "",
+             "| mode | batch | k | measured tok/s | predicted tok/s | error | MAT measured / modelled | "
+             "predicted with measured MAT (error) |", "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        extra = (f"{row['predicted_tps_measured_mat']:.1f} ({row['error_measured_mat']:+.1%})"
+                 if "error_measured_mat" in row else "-")
+        lines.append(f"| {row['mode']} | {row['batch']} | {row['k']} | {row['measured_tps']:.1f} | "
+                     f"{row['predicted_tps']:.1f} | {row['error']:+.1%} | {row['measured_mat']:.2f} / "
+                     f"{row['predicted_mat']:.2f} | {extra} |")
+    verdict = "within" if r["max_abs_error"] <= MAX_ERROR else "OUTSIDE"
+    lines += ["", f"Largest error {r['max_abs_error']:.1%}: {verdict} the {MAX_ERROR:.0%} target."]
+    g = r.get("verify_grid")
+    if g:
+        cols = list(next(iter(g["errors"].values())))
+        lines += ["", f"One target forward, model / calibrated grid - 1 (context {g['context']}; mean |error| "
+                      f"{g['mean_abs_error']:.1%}, max {g['max_abs_error']:.1%}):", "",
+                  "| B \\ n | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {b} | " + " | ".join(f"{row[c]:+.0%}" for c in cols) + " |" for b, row in g["errors"].items()]
+    return "\n".join(lines) + "\n"

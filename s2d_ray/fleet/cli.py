@@ -1,0 +1,60 @@
+"""`s2d plan CONFIG [--device h100] [--rate R] [--json]`: the fleet capacity model (docs/FLEET.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .hardware import DEVICES, device
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="fleet capacity model: tokens/s per GPU and GPUs needed, with/without a draft")
+    p.add_argument("config", type=Path, help="Serve YAML, e.g. deployments/gpu.yaml")
+    p.add_argument("--device", default="h100", choices=sorted(DEVICES), help="hardware the targets run on")
+    p.add_argument("--rate", type=float, default=1.0, help="requests per second per target")
+    p.add_argument("--tokens", type=int, default=None, help="output tokens per request (default: default_max_tokens)")
+    p.add_argument("--agree", type=float, default=None,
+                   help="draft/target per-token agreement (default: the committed SmolLM2 profile's, measured)")
+    p.add_argument("--profile", type=Path, default=None, help="calibration profile to read the agreement from")
+    p.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
+    p.add_argument("--json", action="store_true", help="print the whole model as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="also write a PNG (tok/s per GPU by batch, GPUs by rate)")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .plan import plan
+
+    if args.rate <= 0 or args.context < 1 or (args.tokens is not None and args.tokens < 1):
+        raise ValueError("--rate, --context and --tokens must be positive")
+    if args.agree is not None and not 0 <= args.agree < 1:
+        raise ValueError("--agree must be in [0, 1)")
+    if not args.config.is_file():
+        raise ValueError(f"{args.config} does not exist")
+    result = plan(args.config, device(args.device), args.rate, args.tokens, args.agree, args.profile, args.context)
+    if args.plot:
+        from .plot import plot_fleet
+
+        plot_fleet(args.config, device(args.device), args.plot)
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+        return 0
+    sys.stdout.write(plan_markdown(result))
+    return 0
+
+
+def plan_markdown(r: dict) -> str:
+    lines = [f"{r['config']} on {r['device']['name']}: {r['rate_per_target']} req/s per target x "
+             f"{r['tokens_per_request']} tokens, agreement {r['agree']:.2f} ({r['agree_source']})", "",
+             "| target | fleet | k | tok/s per replica | tok/s per GPU | replicas | GPUs |", "|---|---|---|---|---|---|---|"]
+    for t in r["targets"]:
+        for name, f in t["fleets"].items():
+            lines.append(f"| {t['target']} | {name} | {f['k']} | {f['tokens_per_s_per_replica']} | "
+                         f"{f['tokens_per_s_per_target_gpu']} | {f['replicas']} | {f['target_gpus']} |")
+    lines += ["", "| fleet | GPUs (draft GPUs) | draft models trained | draft weights GB |", "|---|---|---|---|"]
+    for name, t in r["totals"].items():
+        lines.append(f"| {name} | {t['gpus']} ({t['draft_gpus']}) | {t['draft_training_runs']} | {t['draft_weights_gb']} |")
+    return "\n".join(lines) + "\n"

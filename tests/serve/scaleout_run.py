@@ -1,0 +1,129 @@
+"""Issue 14's reproduction as one command: deploy deployments/replicas.yaml (2 replicas each of router, draft and
+target; `--replicas 1` for the baseline) on a private local Ray, send streaming requests at concurrency 16 with
+`s2d bench serve`'s load, and print one JSON line: tok/s, errors, generated and recomputed tokens (per deployment and
+replica, from every router's /health), and the peak RSS of every replica process (sampled during the load).
+
+    PYTHONPATH=$PWD flock /tmp/s2d-heavy.lock timeout 1800 .venv/bin/python tests/serve/scaleout_run.py --requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(replicas: int) -> dict:
+    args = yaml.safe_load((REPO / "deployments" / "replicas.yaml").read_text())["applications"][0]["args"]
+    for opts in (args["draft"], args["router"], *args["targets"]):
+        opts["num_replicas"] = replicas
+    return args
+
+
+class PeakRss:
+    """Peak resident memory of every Serve replica process of app `s2d`, sampled in a thread."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for proc in psutil.process_iter(["pid", "cmdline"]):
+                title = " ".join(proc.info["cmdline"] or [])
+                if "ServeReplica:s2d:" not in title:
+                    continue
+                try:
+                    mib = proc.memory_info().rss / 2**20
+                except psutil.Error:
+                    continue
+                key = f"{title.split('ServeReplica:s2d:')[1].split()[0]}:{proc.info['pid']}"
+                self.peak[key] = max(self.peak.get(key, 0.0), mib)
+            time.sleep(0.5)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def router_health(url: str, routers: int) -> list[dict]:
+    seen: dict[str, dict] = {}
+    for _ in range(200):
+        body = httpx.get(f"{url}/health", timeout=30).json()
+        seen[body["router"]] = body
+        if len(seen) == routers:
+            break
+    return list(seen.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from s2d_ray.bench.serve import LoadRun, mixed_prompts, run_load
+    from s2d_ray.serve import build_app
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             object_store_memory=256 * 2**20)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = app_args(args.replicas)
+    t0 = time.monotonic()
+    serve.run(build_app(cfg), name="s2d", route_prefix="/")
+    deploy_s = time.monotonic() - t0
+    url = f"http://127.0.0.1:{port}"
+    model = cfg["targets"][0]["name"]
+    run = LoadRun(url, model, [args.concurrency], requests=args.requests, max_seconds=1200.0,
+                  max_tokens=args.max_tokens, timeout=600.0)
+    with PeakRss() as rss:
+        result = asyncio.run(run_load(run, mixed_prompts(None)))
+    summary = result["summary"][0]
+    health = router_health(url, args.replicas)
+    recomputed: dict[str, dict[str, int]] = {}
+    for h in health:
+        for dep, per_replica in h["recomputed_tokens"].items():
+            for rep, n in per_replica.items():
+                recomputed.setdefault(dep, {})[rep] = recomputed.setdefault(dep, {}).get(rep, 0) + n
+    print("SCALEOUT", json.dumps({
+        "replicas": args.replicas, "deploy_s": round(deploy_s, 1), "sent": summary["sent"],
+        "completed": summary["completed"], "errors": summary["errors"], "error_samples": summary["error_samples"],
+        "output_tokens": summary["output_tokens"], "wall_s": round(summary["wall_seconds"], 1),
+        "tok_per_s": round(summary["throughput_tokens_per_s"], 2), "recomputed_tokens": recomputed,
+        "recomputed_pct": round(100 * sum(n for d in recomputed.values() for n in d.values())
+                                / max(summary["output_tokens"], 1), 2),
+        "peak_rss_mib": {k: round(v) for k, v in sorted(rss.peak.items())},
+        "draft_stats": [h["draft"] for h in health]}))
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Scaling out, with the soak's jobs and checks (tiny float64 models): 2 routers, 2 draft and 2 target replicas.
+
+- Affinity: a router's rounds stay on one replica per deployment, so targets never recompute a prefix; the draft,
+  given fewer rows than live sequences, reclaims least recently used rows and recomputes (counted), and every
+  output stays exact. Each replica's cache stays within the bound docs/SERVING.md states.
+- Faults under load at concurrency 16: a draft replica killed mid-run costs nothing (target-only rounds, then the
+  other replica); a target replica killed mid-run ends only requests whose retried round fails too, with a clean 503.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from reliability_helpers import delete_app, deploy_app
+from serve_helpers import API_KEY, HTTP_TIMEOUT, wait_until
+from test_serve_soak import SPEC, check, plan, refs, run_job, run_phase  # noqa: F401  (refs is a fixture)
+
+pytestmark = pytest.mark.serve
+
+APP = "scale"
+DRAFT_ROWS = 6  # fewer than a router's 8 live sequences: the draft must reclaim rows, and stay exact
+
+
+@pytest.fixture(scope="module")
+def scale_app(serve_instance, tiny_family):
+    from s2d_ray.serve import build_app
+
+    two = {"num_replicas": 2, "num_cpus": 0.1, "health_check_period_s": 1.0, "health_check_timeout_s": 10.0}
+    target = {"dtype": "float64", "max_live_sequences": 32, **two}
+    cfg = {
+        "targets": [{"name": "tiny-a", "source": str(tiny_family["a"]), **target},
+                    {"name": "tiny-b", "source": str(tiny_family["b"]), "max_context": 128, **target}],
+        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", "max_live_sequences": DRAFT_ROWS,
+                  "retry_after_s": 0.5, **two},
+        "spec": SPEC,
+        "limits": {"max_tokens_limit": 64, "max_body_bytes": 8192, "max_concurrent_sequences": 8,
+                   "max_queued_requests": 64, "request_timeout_s": 120.0},
+        "api_key": API_KEY,
+        "router": {"num_replicas": 2, "num_cpus": 0.1},
+        "num_threads": 1,
+    }
+    app = deploy_app(build_app(cfg), APP, serve_instance, cfg)
+    yield app
+    delete_app(APP)
+
+
+def router_stats(app) -> dict[str, dict]:
+    """/health detail of every router replica (HTTP lands on either; poll until both answered)."""
+    seen: dict[str, dict] = {}
+
+    def both() -> bool:
+        body = httpx.get(f"{app.url}/health", timeout=HTTP_TIMEOUT).json()
+        seen[body["router"]] = body
+        return len(seen) == 2
+
+    wait_until(both, timeout_s=30, interval_s=0.05)
+    return seen
+
+
+def recomputed(stats: dict[str, dict], deployment: str) -> int:
+    return sum(n for s in stats.values() for n in s["recomputed_tokens"].get(deployment, {}).values())
+
+
+def kv_bytes_per_token(config: dict, layers: int, dtype_bytes: int = 8) -> int:
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return 2 * layers * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def test_affinity_keeps_targets_warm_and_memory_bounded(scale_app, refs, tiny_family):
+    jobs = plan(random.Random(7), refs, 64)
+    outs, _ = run_phase(scale_app.url, jobs)
+    assert [(o.job.kind, why) for o in outs if (why := check(o))] == []
+    stats = router_stats(scale_app)
+    generated = sum(o.completion_tokens or 0 for o in outs)
+    # Every target round landed where the sequence's KV was; the draft (6 rows for up to 8 sequences per router)
+    # reclaimed rows and recomputed them, which only cost time: the outputs above are exact.
+    assert recomputed(stats, "target-tiny-a") == 0 and recomputed(stats, "target-tiny-b") == 0, stats
+    assert recomputed(stats, "draft") > 0
+    print("SCALE", json.dumps({"generated": generated, "recomputed": {
+        d: recomputed(stats, d) for d in ("draft", "target-tiny-a", "target-tiny-b")}}))
+
+    config = json.loads((tiny_family["a"] / "config.json").read_text())
+    spec = json.loads((tiny_family["draft"] / "s2d_draft.json").read_text())
+    hidden = (len(spec["exit_layers"]) - 1) * config["hidden_size"] * 8
+    slots = config["max_position_embeddings"] + 2 * len(spec["exit_layers"]) + 8
+    draft = next(iter(stats.values()))["draft"]
+    assert draft["num_evicted"] > 0
+    assert draft["cache_bytes"] <= DRAFT_ROWS * slots * (kv_bytes_per_token(config, spec["num_layers"]) + hidden)
+
+
+def _kill_one(deployment: str) -> str:
+    import ray
+
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(f"SERVE_REPLICA::{APP}#{deployment}#"))
+    assert len(names) == 2, names
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    return names[0]
+
+
+def _under_load(app, refs, seed: int, kill: str) -> list:
+    """64 greedy jobs at the soak's concurrency; one replica of `kill` dies once requests are running."""
+    jobs = [j for j in plan(random.Random(seed), refs, 120) if j.kind == "greedy"][:64]
+    killer = threading.Timer(1.5, _kill_one, [kill])
+    killer.start()
+    outs, _ = run_phase(app.url, jobs)
+    killer.join()
+    return outs
+
+
+def _wait_healthy(app, deployment: str) -> None:
+    from ray import serve
+
+    def replaced() -> bool:
+        status = serve.status().applications[APP].deployments[deployment]
+        return status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2
+
+    wait_until(replaced, timeout_s=120, interval_s=1.0)
+
+
+def test_draft_replica_killed_under_load_loses_nothing(scale_app, refs):
+    outs = _under_load(scale_app, refs, seed=8, kill="draft")
+    assert [(o.status, why) for o in outs if (why := check(o))] == []  # every output exact, no error at all
+    _wait_healthy(scale_app, "draft")
+
+
+def test_target_replica_killed_under_load_fails_cleanly_and_recovers(scale_app, refs):
+    started = time.monotonic()
+    outs = _under_load(scale_app, refs, seed=9, kill="target-tiny-a")
+    bad = [(o.status, o.error, why) for o in outs if (why := check(o))]
+    # Rounds that were on the dead replica are retried one sequence at a time on the other: a request fails only if
+    # its own retried round fails too, and then with a clean 503 (never 500, never a wrong token).
+    assert all(status == 503 or (status == 200 and error and "service_unavailable" in error)
+               for status, error, _ in bad), bad
+    assert len(bad) <= 8, bad  # at most that replica's in-flight sequences of one router
+    _wait_healthy(scale_app, "target-tiny-a")
+    print("TARGET_KILL", json.dumps({"requests": len(outs), "failed_503": len(bad),
+                                     "recovered_s": round(time.monotonic() - started, 1)}))
+    again = run_phase(scale_app.url, [j for j in plan(random.Random(10), refs, 40) if j.kind == "greedy"])[0]
+    assert [why for o in again if (why := check(o))] == []
+
+
+AUTOSCALE_APP = "autoscale"
+# Short windows so a test sees both directions within a minute; deployments/autoscale.yaml uses the same shape.
+FAST = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 6.0}
+
+
+def replica_counts(app: str) -> dict[str, int]:
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
+
+
+def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_instance, tiny_family, refs):
+    """Router, draft and target autoscale (min 1, max 2) on ongoing requests: up during a run at concurrency 16,
+    down once it ends; requests running while replicas come and go lose nothing and stay exact."""
+    from s2d_ray.serve import build_app
+
+    def auto(target_ongoing: float) -> dict:
+        return {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                                       "target_ongoing_requests": target_ongoing, **FAST},
+                "num_cpus": 0.1, "health_check_period_s": 1.0}
+
+    cfg = {
+        # A router keeps about one round call in flight per deployment: 1.0 per replica scales them with the routers.
+        "targets": [{"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64", **auto(1.0)},
+                    {"name": "tiny-b", "source": str(tiny_family["b"]), "dtype": "float64", "max_context": 128,
+                     **auto(1.0)}],
+        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", **auto(1.0)},
+        "spec": SPEC,
+        "limits": {"max_tokens_limit": 64, "max_body_bytes": 8192, "max_concurrent_sequences": 8,
+                   "max_queued_requests": 64, "request_timeout_s": 120.0},
+        "api_key": API_KEY,
+        "router": auto(4.0),
+        "num_threads": 1,
+    }
+    app = deploy_app(build_app(cfg), AUTOSCALE_APP, serve_instance, cfg)
+    try:
+        rng = random.Random(11)
+        peak: dict[str, int] = {}
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                for name, n in replica_counts(AUTOSCALE_APP).items():
+                    peak[name] = max(peak.get(name, 0), n)
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        started = time.monotonic()
+        loaded: list = []
+        scaled = ("router", "draft", "target-tiny-a")
+        while time.monotonic() - started < 90 and not all(peak.get(d, 0) >= 2 for d in scaled):
+            loaded += run_phase(app.url, [j for j in plan(rng, refs, 60) if j.kind == "greedy"])[0]
+        up_s = time.monotonic() - started
+        # Load drops to one client: replicas drain and go while its requests run.
+        quiet = []
+        while time.monotonic() - started < up_s + 60 and sum(replica_counts(AUTOSCALE_APP).values()) > 4:
+            quiet += [run_job(app.url, j) for j in plan(rng, refs, 6) if j.kind == "greedy"]
+        down_s = time.monotonic() - started - up_s
+        stop.set()
+        watcher.join()
+        final = replica_counts(AUTOSCALE_APP)
+        figures = {"peak": peak, "final": final, "up_s": round(up_s, 1), "down_s": round(down_s, 1),
+                   "requests_under_load": len(loaded), "requests_while_scaling_down": len(quiet)}
+        print("AUTOSCALE", json.dumps(figures))
+        assert [why for o in loaded + quiet if (why := check(o))] == []
+        assert all(peak[d] == 2 for d in scaled), figures
+        assert all(n == 1 for n in final.values()), figures
+    finally:
+        delete_app(AUTOSCALE_APP)
