@@ -11,12 +11,13 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, RequestError
 from .cache import SlotKVCache, grown
 from .sampling import logits_to_probs, round_generator, sample
 from .stack import DecoderParts, LayerStack, RowState, RowTable, decoder_parts, pending_grid
@@ -223,7 +224,7 @@ class SortedDrafter:
             live = [i for i in live if requests[i].k > step]
             if not live:
                 break
-            out = self._step([states[i] for i in live])
+            out = self._step([states[i] for i in live], [self._thresholds(requests[i]) for i in live])
             still = []
             for j, i in enumerate(live):
                 req, prop = requests[i], props[i]
@@ -264,13 +265,21 @@ class SortedDrafter:
         spine[i] = (first, base * prs[0])
         return toks[0]
 
+    def _thresholds(self, req: DraftRequest) -> Sequence[float]:
+        if req.thresholds is None:
+            return self.thresholds
+        if len(req.thresholds) != len(self.exit_layers):
+            raise RequestError(f"need one threshold per exit ({len(self.exit_layers)}), got {len(req.thresholds)}")
+        return req.thresholds
+
     def _confident(self, logits: torch.Tensor, tok: int) -> bool:
         if self.stop_confidence <= 0:
             return True
         return float(torch.softmax(logits.float(), -1)[tok]) >= self.stop_confidence
 
-    def _step(self, states: list[RowState]) -> _StepOut:
-        """Advance each row by its last token: lazily fill, exit where confident; logits for the next token."""
+    def _step(self, states: list[RowState], thresholds: list[Sequence[float]]) -> _StepOut:
+        """Advance each row by its last token: lazily fill, exit where confident (by the row's own thresholds);
+        logits for the next token."""
         device = self.stack.device
         n = len(states)
         ends = [len(st.tokens) - 1 for st in states]
@@ -298,7 +307,7 @@ class SortedDrafter:
             conf = None if final else torch.softmax(logits.float(), -1).amax(-1)
             keep = []
             for j, a in enumerate(active):
-                if final or float(conf[j]) > self.thresholds[seg]:
+                if final or float(conf[j]) > thresholds[a][seg]:
                     logits_out[a], exits[a] = logits[j], exit_layer
                 else:
                     keep.append(a)

@@ -4,6 +4,8 @@ batched draft forward (`@serve.batch`); KV per sequence id, checked against the 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import replace
 
 from ray import serve
 
@@ -14,6 +16,7 @@ from ..core.stack import limit_rows
 from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
 from .app_config import AppConfig
+from .draft_capacity import DraftCapacity
 from .replica import (
     Counted, IdleSequences, ModelThread, chunks, recomputed_tokens, replica_id, split_like,
     target_window,
@@ -35,19 +38,23 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
     return build_draft(ecfg, base, load_profile(ecfg))
 
 
-def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> dict[str, SortedDrafter]:
-    """Targets whose calibration profile sets other exits/thresholds get a drafter with them (same weights, own KV);
-    targets with equal settings share one, and those with the draft's own settings share the default."""
+def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, SortedDrafter], dict[str, tuple]]:
+    """Targets whose calibration profile sets other exit LAYERS get a drafter with them (same weights, own KV);
+    targets with equal layers share one. Thresholds travel per row (returned per target), so profiles that differ
+    only in thresholds never force separate forwards."""
     out: dict[str, SortedDrafter] = {}
-    by_settings: dict[tuple, SortedDrafter] = {}
-    default = (tuple(draft.spec.exit_layers), tuple(draft.spec.thresholds))
+    thresholds: dict[str, tuple] = {}
+    by_layers: dict[tuple, SortedDrafter] = {}
     for t in cfg.targets:
         ecfg = cfg.engine_config(t.name)
         tuned = apply_exits(draft, ecfg, load_profile(ecfg))  # without a profile: the draft's own settings
-        key = (tuple(tuned.spec.exit_layers), tuple(tuned.spec.thresholds))
-        if key != default:
-            out[t.name] = by_settings.setdefault(key, SortedDrafter(tuned, cfg.draft.stop_confidence))
-    return out
+        layers = tuple(tuned.spec.exit_layers)
+        if layers != tuple(draft.spec.exit_layers):
+            out[t.name] = by_layers.setdefault(layers, SortedDrafter(tuned, cfg.draft.stop_confidence))
+        own = out[t.name].thresholds if t.name in out else draft.spec.thresholds
+        if tuple(tuned.spec.thresholds) != tuple(own):
+            thresholds[t.name] = tuple(tuned.spec.thresholds)
+    return out, thresholds
 
 
 @serve.deployment(name="draft")
@@ -57,7 +64,7 @@ class DraftDeployment:
         self.thread = ModelThread(cfg.num_threads)
         draft = load_shared_draft(cfg)
         self.default = SortedDrafter(draft, cfg.draft.stop_confidence)
-        self.by_target = per_target_drafters(cfg, draft)
+        self.by_target, self.thresholds = per_target_drafters(cfg, draft)
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
         self.max_rows = cfg.draft.max_live_sequences
@@ -67,43 +74,55 @@ class DraftDeployment:
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
         self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
-        self.propose.set_max_batch_size(cfg.draft.max_batch_size)
-        self.propose.set_batch_wait_timeout_s(cfg.draft.batch_wait_timeout_s)
-        self.num_calls = 0  # propose calls received (one per target round)
-        self.num_forwards = 0  # batched drafting runs
-        self.num_shared_forwards = 0  # runs that drafted for more than one target at once
-        logger.info("draft %s ready: exits=%s thresholds=%s, per-target profiles=%s", cfg.draft.source,
-                    draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target))
+        self._propose_batch.set_max_batch_size(cfg.draft.max_batch_size)
+        # The configured wait is now the cap of an adaptive window (0 while only one target is active).
+        self.capacity = DraftCapacity(cfg.draft.batch_wait_timeout_s, cfg.draft.batch_wait_fraction)
+        logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s",
+                    cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target),
+                    sorted(self.thresholds))
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
-    async def propose(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],
-                      affinity: list[str | None]) -> list[Counted]:
-        """One call per (target, round); calls that arrive together are drafted in one forward per profile.
+    async def propose(self, target: str, batch: list[DraftRequest], seen: list[int],
+                      affinity: str | None = None) -> Counted:
+        """One call per (target, round): sets the batching window for the batch this call may open, then joins it.
 
         seen: per request, how many leading tokens an earlier round already drafted over (what this replica should
-        hold); affinity: the caller's routing key (read by the request router, not here). Each call gets its
+        hold); affinity: the caller's routing key (read by the request router, not here). The call gets its
         proposals and the tokens this replica recomputed for it."""
-        return await self.thread.run(self._propose_sync, targets, batches, seen)
+        now = time.monotonic()
+        self.capacity.num_calls += 1
+        self._propose_batch.set_batch_wait_timeout_s(self.capacity.arrive(target, now))
+        return await self._propose_batch(target, batch, seen, now)
 
-    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]],
-                      seen: list[list[int]]) -> list[Counted]:
-        self.num_calls += len(batches)
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
+    async def _propose_batch(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],
+                             arrivals: list[float]) -> list[Counted]:
+        """Calls that arrive together are drafted in one forward per drafter (per set of exit layers)."""
+        return await self.thread.run(self._propose_sync, targets, batches, seen, arrivals)
+
+    def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],
+                      arrivals: list[float]) -> list[Counted]:
         results: list[Counted | None] = [None] * len(batches)
         for drafter in self.drafters:
             idx = [i for i, t in enumerate(targets) if self.by_target.get(t, self.default) is drafter]
             if not idx:
                 continue
-            group = [batches[i] for i in idx]
+            group = [self._stamped(targets[i], batches[i]) for i in idx]
             flat = [r for b in group for r in b]
             self.idle.touch([r.seq_id for r in flat])
             recomputed = split_like(recomputed_tokens(drafter.table, flat, [n for i in idx for n in seen[i]]), group)
-            self.num_forwards += 1
-            self.num_shared_forwards += len({targets[i] for i in idx}) > 1
+            start = time.monotonic()
             proposals = [p for part in chunks(flat, self.max_rows) for p in drafter.propose(part)]
+            self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start,
+                                  time.monotonic())
             for i, props, counts in zip(idx, split_like(proposals, group), recomputed):
                 self.recomputed += sum(counts)
                 results[i] = Counted(props, sum(counts), self.replica)
         return results  # type: ignore[return-value]
+
+    def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
+        """The target's profile thresholds on each of its rows (rows that already carry thresholds keep them)."""
+        th = self.thresholds.get(target)
+        return batch if th is None else [r if r.thresholds is not None else replace(r, thresholds=th) for r in batch]
 
     async def release(self, seq_id: str, affinity: str | None = None) -> None:
         await self.thread.run(self._release_sync, [seq_id])
@@ -116,8 +135,7 @@ class DraftDeployment:
 
     async def stats(self) -> dict:
         return {"replica": self.replica, "num_active": sum(d.num_active for d in self.drafters),
-                "num_calls": self.num_calls, "num_forwards": self.num_forwards,
-                "num_shared_forwards": self.num_shared_forwards, "recomputed_tokens": self.recomputed,
+                **self.capacity.stats(), "recomputed_tokens": self.recomputed,
                 "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
                 "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters)}
 

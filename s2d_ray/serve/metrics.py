@@ -13,6 +13,21 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 MAT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12, 17)
 
 
+DRAFT_GAUGES = {
+    "num_calls": "Propose calls the draft replica received (one per target round).",
+    "num_forwards": "Draft forwards (one per batch of merged calls).",
+    "num_rows": "Sequences drafted, summed over forwards.",
+    "num_merged_forwards": "Draft forwards that carried rows of more than one target.",
+    "rows_per_forward": "Mean sequences per draft forward.",
+    "busy_s": "Seconds the draft's model thread spent drafting.",
+    "busy_fraction": "Draft model-thread busy seconds over wall seconds, last 10 s (add replicas above ~0.7).",
+    "queue_delay_s": "Seconds from propose calls' arrival to their forward's start, summed over calls.",
+    "mean_queue_delay_s": "Mean seconds from a propose call's arrival to its forward's start.",
+    "forward_s": "Recent mean duration of one draft forward.",
+    "batch_wait_timeout_s": "The adaptive batching window the draft uses now.",
+}
+
+
 class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -55,6 +70,8 @@ class ServeMetrics:
                               buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.mat = Histogram("s2d:request_mean_acceptance_length", "Tokens per target forward (bonus included).", m,
                              buckets=MAT_BUCKETS, registry=r)
+        # The shared draft replica's capacity, read from its stats when /metrics is scraped (one replica answers).
+        self.draft = {key: Gauge(f"s2d:draft_{key}", doc, registry=r) for key, doc in DRAFT_GAUGES.items()}
 
     def record_finished(self, model: str, prompt_tokens: int, finish_reason: str, metrics: dict,
                         e2e_s: float, ttft_s: float | None) -> None:
@@ -82,6 +99,14 @@ class ServeMetrics:
                 self.tpot.labels(model).observe((e2e_s - ttft_s) / (n - 1))
         if metrics["num_target_forwards"]:
             self.mat.labels(model).observe(metrics["mean_acceptance_length"])
+
+    def record_draft(self, stats: dict | None) -> None:
+        """Copy the draft replica's stats (DraftDeployment.stats) into the gauges; skipped when unavailable."""
+        if not stats or "error" in stats:
+            return
+        for key, gauge in self.draft.items():
+            if key in stats:
+                gauge.set(stats[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -249,6 +249,8 @@ class Router:
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
+        if self.cfg.uses_draft:
+            self.metrics.record_draft(await _call_stats(self.draft_handle))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],

@@ -114,7 +114,7 @@ def tiny_config(dirs: dict[str, Path], **extra) -> dict:
         ],
         "draft": {"source": str(dirs["draft"]), "dtype": "float64", "num_cpus": 0.25, "retry_after_s": 1.0,
                   # Wait for the other targets' rounds so the test sees them merge into one draft forward.
-                  "max_batch_size": 3, "batch_wait_timeout_s": 0.05},
+                  "max_batch_size": 3, "batch_wait_timeout_s": 0.05, "batch_wait_fraction": 1.0},
         "spec": {"mode": "s2d", "policy": "fixed", "k": 4},
         "limits": {"max_tokens_limit": 64, "max_prompt_tokens": 400, "max_body_bytes": 4096,
                    "max_concurrent_sequences": 4, "max_queued_requests": 4, "max_choices": 6,

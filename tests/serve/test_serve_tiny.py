@@ -87,7 +87,25 @@ def test_two_targets_concurrently_through_one_draft(tiny_app, refs):
     after = tiny_app.handle.stats.remote().result()["draft"]
     calls, forwards = after["num_calls"] - before["num_calls"], after["num_forwards"] - before["num_forwards"]
     assert forwards < calls  # propose calls were merged into shared forwards ...
-    assert after["num_shared_forwards"] > before["num_shared_forwards"]  # ... with both targets in one forward
+    assert after["num_merged_forwards"] > before["num_merged_forwards"]  # ... with both targets in one forward
+
+
+def test_three_targets_under_load_share_draft_forwards(tiny_app, refs, tiny_family):
+    """3 targets x 4 concurrent sequences: most draft forwards carry rows of more than one target (the adaptive
+    window waits for the other targets' rounds), and every output equals its target's greedy."""
+    tp_ref = Reference(str(tiny_family["a"]), "float32")  # tiny-tp serves model a in float32
+    before = tiny_app.handle.stats.remote().result()["draft"]
+    jobs = [(m, p) for p in PROMPTS for m in ("tiny-a", "tiny-b", "tiny-tp")]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        outs = list(pool.map(lambda job: complete(tiny_app, job[0], job[1], 32), jobs))
+    for (model, prompt), body in zip(jobs, outs):
+        ref = tp_ref if model == "tiny-tp" else refs[model]
+        assert body["choices"][0]["text"] == ref.text(ref.greedy(ref.ids(prompt), 32)), (model, prompt)
+    after = tiny_app.handle.stats.remote().result()["draft"]
+    forwards = after["num_forwards"] - before["num_forwards"]
+    merged = after["num_merged_forwards"] - before["num_merged_forwards"]
+    assert forwards > 0 and merged / forwards >= 0.5, (merged, forwards, after)
+    assert after["rows_per_forward"] > 1 and after["busy_s"] > before["busy_s"]
 
 
 def test_handle_api_generate_and_stream(tiny_app, refs):
