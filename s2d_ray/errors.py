@@ -22,7 +22,11 @@ class TokenizerMismatchError(ModelLoadError):
 
 
 class RequestError(S2DError, ValueError):
-    """A generation request is invalid (empty prompt, too long, bad sampling values)."""
+    """A generation request is invalid (empty prompt, too long, bad sampling values); `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CapacityError(S2DError):

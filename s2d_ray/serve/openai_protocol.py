@@ -52,7 +52,8 @@ class SamplingFields(_Lenient):
         """One GenerateRequest per choice, in choice order; sample i of a prompt uses seed + i. The choice count is
         checked BEFORE anything is built: n is a client's number (fuzzing sent n = 2.6e27)."""
         if max_choices is not None and len(prompts) * self.n > max_choices:
-            raise RequestError(f"{len(prompts) * self.n} choices requested (prompts x n); the limit is {max_choices}")
+            raise RequestError(f"{len(prompts) * self.n} choices requested (prompts x n); the limit is {max_choices}",
+                               "n")
         out = []
         for prompt in prompts:
             for i in range(self.n):

@@ -62,7 +62,7 @@ def api_error(exc: Exception) -> ApiError:
     if isinstance(exc, RequestTimeoutError):
         return ApiError(504, str(exc), "timeout", type_="timeout_error")
     if isinstance(exc, RequestError):
-        return ApiError(400, str(exc), "invalid_value")
+        return ApiError(400, str(exc), "invalid_value", exc.param)
     if isinstance(exc, CapacityError):
         return ApiError(429, str(exc), "rate_limit_exceeded", type_="rate_limit_error")
     if isinstance(exc, ServiceUnavailableError):

@@ -103,6 +103,14 @@ def deploy(app, name: str, port: int, config: dict) -> ServeApp:
     raise TimeoutError(f"app {name} not RUNNING after {DEPLOY_TIMEOUT_S} s: {serve.status().applications.get(name)}")
 
 
+def undeploy(name: str) -> None:
+    """Delete an app: a full suite keeps many apps alive in one 24 GiB machine, and Ray's memory monitor kills the
+    Serve controller when the node nears its threshold (seen: mid-way through the autoscaling test)."""
+    from ray import serve
+
+    serve.delete(name)
+
+
 def tiny_config(dirs: dict[str, Path], **extra) -> dict:
     target = {"dtype": "float64", "num_cpus": 0.25}
     cfg = {
@@ -143,8 +151,8 @@ def real_draft_source() -> str:
     return DEFAULT_DRAFT if (COMMITTED_DRAFTS / DEFAULT_DRAFT).is_dir() else "cut:smollm2-135m-instruct:6"
 
 
-@pytest.fixture(scope="session")
-def real_app(serve_instance) -> ServeApp:
+@pytest.fixture(scope="module")
+def real_app(serve_instance):
     """SmolLM2-135M-Instruct behind the default draft (or a cut of its first 6 layers)."""
     from s2d_ray.serve import build_app
 
@@ -155,11 +163,12 @@ def real_app(serve_instance) -> ServeApp:
         "router": {"num_cpus": 0.25},
         "num_threads": 1,
     }
-    return deploy(build_app(cfg), "real", serve_instance, cfg)
+    yield deploy(build_app(cfg), "real", serve_instance, cfg)
+    undeploy("real")  # one module uses it: its replicas (~450 MiB each) must not outlive the module
 
 
-@pytest.fixture(scope="session")
-def real_tp_app(serve_instance) -> ServeApp:
+@pytest.fixture(scope="module")
+def real_tp_app(serve_instance):
     """SmolLM2 tensor parallel over 3 AutoTP ranks (9 query / 3 KV heads), target-only (mode ar: no draft)."""
     from s2d_ray.serve import build_app
 
@@ -170,11 +179,12 @@ def real_tp_app(serve_instance) -> ServeApp:
         "router": {"num_cpus": 0.25},
         "num_threads": 1,
     }
-    return deploy(build_app(cfg), "realtp", serve_instance, cfg)
+    yield deploy(build_app(cfg), "realtp", serve_instance, cfg)
+    undeploy("realtp")  # one module uses it: its replicas (~450 MiB each) must not outlive the module
 
 
-@pytest.fixture(scope="session")
-def faults_app(serve_instance, tiny_family) -> ServeApp:
+@pytest.fixture(scope="module")
+def faults_app(serve_instance, tiny_family):
     """A separate app whose replicas tests may kill: a tiny target, a TP-2 target and the draft (slowed so a kill
     lands mid-request: a round's propose waits 50 ms for the other target's, which does not come)."""
     from s2d_ray.serve import build_app
@@ -191,4 +201,5 @@ def faults_app(serve_instance, tiny_family) -> ServeApp:
         "router": {"num_cpus": 0.25},
         "num_threads": 1,
     }
-    return deploy(build_app(cfg), "faults", serve_instance, cfg)
+    yield deploy(build_app(cfg), "faults", serve_instance, cfg)
+    undeploy("faults")  # one module uses it: its replicas (~450 MiB each) must not outlive the module

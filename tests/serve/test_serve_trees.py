@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import deploy, tiny_config
+from conftest import deploy, tiny_config, undeploy
 from serve_helpers import AUTH, Reference, post
 
 pytestmark = pytest.mark.serve
@@ -22,7 +22,8 @@ def tree_app(serve_instance, tiny_family):
     from s2d_ray.serve import build_app
 
     cfg = tiny_config(tiny_family, spec=TREE_SPEC)
-    return deploy(build_app(cfg), "trees", serve_instance, cfg)
+    yield deploy(build_app(cfg), "trees", serve_instance, cfg)
+    undeploy("trees")
 
 
 def complete(app, model: str, prompt: str, max_tokens: int, **extra) -> dict:
