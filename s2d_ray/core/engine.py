@@ -203,7 +203,8 @@ class SpecEngine:
                 tree = _as_tree(prop)
                 path, nxt = accept_tree(tree, p_logits, seq.req.params, gen)
                 n_acc = len(path)
-                rest = [prop.exits[i] for i in range(len(tree)) if i not in set(path)]
+                on_path = set(path)
+                rest = [prop.exits[i] for i in range(len(tree)) if i not in on_path]
                 result = RoundResult(len(tree), n_acc, [tree.tokens[i] for i in path] + [nxt],
                                      [prop.exits[i] for i in path] + rest)
                 self.budget.observe(tree, path)
@@ -297,9 +298,7 @@ class SpecEngine:
         if not live:
             return []
         t0 = time.perf_counter()
-        drafted = [Proposal.empty() for _ in drafts]
-        if self.drafter is not None and (self.trees or any(d.k > 0 for d in drafts)):
-            drafted = await _maybe_await(self.drafter.propose(drafts))
+        drafted = await _maybe_await(self._propose(drafts))
         proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
         logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
@@ -316,7 +315,8 @@ class SpecEngine:
                                       depth)
         return outputs
 
-    def _propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
+    def _propose(self, drafts: list[DraftRequest]) -> Any:
+        """The drafter's proposals (a list, or an awaitable of one from a remote drafter); empty when nothing drafts."""
         if self.drafter is None or (not self.trees and all(d.k == 0 for d in drafts)):
             return [Proposal.empty() for _ in drafts]
         return self.drafter.propose(drafts)
