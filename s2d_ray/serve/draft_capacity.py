@@ -24,6 +24,7 @@ class DraftCapacity:
         self.num_forwards = 0  # drafting runs (one per drafter per batch)
         self.num_rows = 0  # sequences drafted, over all forwards
         self.num_merged_forwards = 0  # forwards that drafted for more than one target
+        self.num_merged_rows = 0  # rows drafted in those forwards: the share of drafting that was shared
         self.busy_s = 0.0  # model-thread seconds spent drafting
         self.queue_delay_s = 0.0  # summed over calls: arrival to the start of their forward
         self.forward_s = 0.0  # EMA of one forward's duration
@@ -62,6 +63,7 @@ class DraftCapacity:
         self.num_forwards += 1
         self.num_rows += rows
         self.num_merged_forwards += len(targets) > 1
+        self.num_merged_rows += rows if len(targets) > 1 else 0
         self.busy_s += duration
         self.queue_delay_s += sum(start - a for a in arrivals)
         self.forward_s = duration if self.num_forwards == 1 else (1 - EMA) * self.forward_s + EMA * duration
@@ -78,7 +80,7 @@ class DraftCapacity:
         now = time.monotonic()
         return {
             "num_calls": self.num_calls, "num_forwards": self.num_forwards, "num_rows": self.num_rows,
-            "num_merged_forwards": self.num_merged_forwards,
+            "num_merged_forwards": self.num_merged_forwards, "num_merged_rows": self.num_merged_rows,
             "rows_per_forward": self.num_rows / self.num_forwards if self.num_forwards else 0.0,
             "busy_s": self.busy_s, "busy_fraction": self.busy_fraction(now),
             "queue_delay_s": self.queue_delay_s,

@@ -18,6 +18,7 @@ DRAFT_GAUGES = {
     "num_forwards": "Draft forwards (one per batch of merged calls).",
     "num_rows": "Sequences drafted, summed over forwards.",
     "num_merged_forwards": "Draft forwards that carried rows of more than one target.",
+    "num_merged_rows": "Sequences drafted in forwards that carried rows of more than one target.",
     "rows_per_forward": "Mean sequences per draft forward.",
     "busy_s": "Seconds the draft's model thread spent drafting.",
     "busy_fraction": "Draft model-thread busy seconds over wall seconds, last 10 s (add replicas above ~0.7).",

@@ -38,6 +38,7 @@ def test_stats_count_merges_busy_fraction_and_queueing():
     cap.forward([t0 + 0.02], {"a"}, 2, t0 + 0.02, t0 + 0.03)
     s = cap.stats()
     assert (s["num_forwards"], s["num_merged_forwards"], s["num_rows"], s["rows_per_forward"]) == (2, 1, 8, 4.0)
+    assert s["num_merged_rows"] == 6  # the 2-target forward's rows; the lone target's 2 rows are not shared
     assert s["queue_delay_s"] == pytest.approx(0.003)
     assert s["mean_queue_delay_s"] == pytest.approx(0.001)
     assert s["busy_s"] == pytest.approx(0.02)
