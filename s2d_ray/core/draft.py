@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import ModelLoadError, RequestError
 from .cache import SlotKVCache, grown
 from .sampling import logits_to_probs, round_generator, sample
-from .stack import DecoderParts, LayerStack, RowState, RowTable, decoder_parts, pending_grid
+from .stack import DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups, pending_grid
 from .types import DraftRequest, Proposal, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -279,7 +279,20 @@ class SortedDrafter:
 
     def _step(self, states: list[RowState], thresholds: list[Sequence[float]]) -> _StepOut:
         """Advance each row by its last token: lazily fill, exit where confident (by the row's own thresholds);
-        logits for the next token."""
+        logits for the next token. Rows that still have a prompt to fill run apart from the decode rows."""
+        groups = length_groups([len(st.tokens) - min(st.filled) for st in states])
+        if len(groups) == 1:
+            return self._step_rows(states, thresholds)
+        logits: list[torch.Tensor | None] = [None] * len(states)
+        exits = [0] * len(states)
+        for group in groups:
+            out = self._step_rows([states[i] for i in group], [thresholds[i] for i in group])
+            for j, i in enumerate(group):
+                logits[i], exits[i] = out.logits[j], out.exits[j]
+        return _StepOut(torch.stack(logits), exits)
+
+    def _step_rows(self, states: list[RowState], thresholds: list[Sequence[float]]) -> _StepOut:
+        """`_step` over rows of similar pending length: one padded forward per segment."""
         device = self.stack.device
         n = len(states)
         ends = [len(st.tokens) - 1 for st in states]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .cache import causal_allowed
-from .stack import LayerStack, PendingTree, RowTable, decoder_parts, pending_grid
+from .stack import LayerStack, PendingTree, RowTable, decoder_parts, length_groups, pending_grid
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
 
@@ -63,16 +63,13 @@ class TargetVerifier:
             states.append(st)
             starts.append(st.filled[0])
             ends.append(len(req.tokens) - 1)
-        device = self.stack.device
-        positions, valid = pending_grid(starts, ends, device)
-        ids = torch.zeros(positions.shape, dtype=torch.long, device=device)
-        for i, (req, st) in enumerate(zip(requests, states)):
-            n = ends[i] - starts[i] + 1
-            ids[i, :n] = torch.tensor(req.tokens[starts[i] :], device=device)
-        rows = torch.tensor([st.row for st in states], device=device)
-        rope, allowed = tree_layout(requests, starts, positions)
-        hidden = self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
-        picked = [hidden[i, e - s + 1 - req.num_logits : e - s + 1] for i, (req, s, e) in enumerate(zip(requests, starts, ends))]
+        picked: list[torch.Tensor | None] = [None] * len(requests)
+        for group in length_groups([e - s + 1 for s, e in zip(starts, ends)]):  # prompts apart from decode rows
+            sub = [requests[i] for i in group]
+            hidden = self._forward(sub, [states[i] for i in group], [starts[i] for i in group], [ends[i] for i in group])
+            for j, i in enumerate(group):
+                n = ends[i] - starts[i] + 1
+                picked[i] = hidden[j, n - requests[i].num_logits : n]
         logits = widen(self.stack.logits(torch.cat(picked)))  # one LM-head matmul for the whole batch
         for st, req in zip(states, requests):
             if req.parents:
@@ -82,6 +79,17 @@ class TargetVerifier:
             else:
                 st.filled[0] = len(req.tokens)
         return list(logits.split([req.num_logits for req in requests]))
+
+    def _forward(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int]) -> torch.Tensor:
+        """One padded forward over these rows' positions start..end; hidden states [rows, width, h]."""
+        device = self.stack.device
+        positions, _ = pending_grid(starts, ends, device)
+        ids = torch.zeros(positions.shape, dtype=torch.long, device=device)
+        for i, req in enumerate(requests):
+            ids[i, : ends[i] - starts[i] + 1] = torch.tensor(req.tokens[starts[i] :], device=device)
+        rows = torch.tensor([st.row for st in states], device=device)
+        rope, allowed = tree_layout(requests, starts, positions)
+        return self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)
