@@ -100,10 +100,13 @@ class SpeculationBudget:
 
     Without costs: the policy's k and `max_nodes`. With costs (policy `auto`), everything is priced in seconds per
     token of the whole batch, measured online and seeded by calibration:
+    - verification costs are the calibrated grid times a factor learned from this engine's own decode rounds (the
+      grid was measured at one context length on a quiet machine; long contexts, other load and a remote verifier's
+      call overhead make real rounds dearer, and a budget that trusts the grid keeps drafting where it loses);
+    - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
+      verify(B, 2) + draft depth (re-checked every `EXPLORE_EVERY` rounds, so speculation comes back when load drops);
     - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
-    - the draft runs at all only while its first depth is accepted often enough to pay (re-checked every
-      `EXPLORE_EVERY` rounds, so speculation comes back when load drops);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
       (n = 0 is a plain decoding step).
     """
@@ -117,6 +120,7 @@ class SpeculationBudget:
         # EMAs: seconds per round, tokens per round (whole batch), draft seconds per depth, first-depth draft hits.
         self._round_s = self._round_tokens = self._depth_s = None
         self._first_hit = [0.5 * 4.0, 4.0]  # [accepted, rounds] of depth-1 draft nodes, prior 0.5
+        self.scale = 1.0  # measured verify seconds over the grid's, EMA over decode rounds
 
     @property
     def load_aware(self) -> bool:
@@ -127,13 +131,22 @@ class SpeculationBudget:
     def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
         return new if old is None else (1 - alpha) * old + alpha * new
 
-    def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int) -> None:
-        """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted."""
+    def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
+                      verify: tuple[float, int, int] | None = None) -> None:
+        """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
+        `verify` = (seconds, batch, positions) of its verification when it was a pure decode round (no prompt)."""
         self.rounds += 1
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
-        if depth > 0:
+        if depth > 0 and verify is not None:  # a prompt round's draft time is mostly the draft filling the prompt
             self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
+        if verify is not None and self.costs is not None:
+            v_s, batch, positions = verify
+            self.scale = self._ema(self.scale, min(max(1000.0 * v_s / self.costs.verify(batch, positions), 0.25), 8.0))
+
+    def verify_ms(self, batch: int, positions: int) -> float:
+        """Modelled ms of verifying `batch` rows of `positions`: the calibrated grid times the learned factor."""
+        return self.scale * self.costs.verify(batch, positions)
 
     def observe(self, tree: TokenTree | None, path: list[int]) -> None:
         """One row's verified tree and the accepted path (node indices)."""
@@ -150,7 +163,7 @@ class SpeculationBudget:
         """Seconds per emitted token of the whole batch (measured; before any round, plain decoding's)."""
         if self._round_s is not None and self._round_tokens:
             return self._round_s / self._round_tokens
-        return self.costs.verify(batch, 1) / 1000.0 / max(batch, 1)
+        return self.verify_ms(batch, 1) / 1000.0 / max(batch, 1)
 
     def depth_seconds(self, batch: int) -> float:
         """Seconds one draft depth costs the batch (measured; before any, the calibrated deepest exit's)."""
@@ -166,11 +179,12 @@ class SpeculationBudget:
             return RoundPlan(0)
         needed = min(max(self.depth_seconds(batch) / (max(batch, 1) * self.token_seconds(batch)), 0.02), 0.95)
         hit = self._first_hit[0] / self._first_hit[1]
-        # Drafting pays only if a row's first node is worth verifying at this batch size at all...
-        if (1 + hit) * self.costs.verify(batch, 1) <= self.costs.verify(batch, 2):
+        # Drafting pays only if a row's first node, at its hit rate, buys more tokens than its verification width and
+        # the draft forward cost the whole batch (re-checked now and then: acceptance and load change).
+        v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
+        if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        # ...and its expected yield covers the draft forward (re-checked now and then: acceptance may have changed).
-        if hit < needed and self.rounds % self.EXPLORE_EVERY != 0:
+        if (1 + hit) * v1 <= v2 + 1000.0 * self.depth_seconds(batch) and self.rounds % self.EXPLORE_EVERY != 0:
             return RoundPlan(0)
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed))
 
@@ -183,11 +197,11 @@ class SpeculationBudget:
         batch = max(len(estimates), 1)
         ranked = [sorted(e, reverse=True) for e in estimates]
         widest = max((len(r) for r in ranked), default=0)
-        best_n, best_rate = 0, batch / self.costs.verify(batch, 1)
+        best_n, best_rate = 0, batch / self.verify_ms(batch, 1)
         gained = 0.0
         for n in range(1, min(cap, widest) + 1):
             gained += sum(r[n - 1] for r in ranked if len(r) >= n)
-            rate = (batch + gained) / self.costs.verify(batch, n + 1)
+            rate = (batch + gained) / self.verify_ms(batch, n + 1)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n

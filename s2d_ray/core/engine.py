@@ -39,6 +39,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top-n (core/logprobs.py)
     prompt_logprobs: bool = False  # score the prompt in the first round (top-n as `logprobs`)
+    speculate: bool = True  # False: plain target steps for this sequence (no draft, no lookup), the per-request opt-out
 
 
 @dataclass
@@ -142,9 +143,9 @@ class SpecEngine:
         drafts = []
         for seq in live:
             k = seq.k if plan is None else plan.depth
-            k = max(0, min(k, self._remaining(seq))) if self.drafter is not None else 0
-            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params, tree=self.trees, width=width,
-                                       min_score=min_score))
+            k = max(0, min(k, self._remaining(seq))) if self.drafter is not None and seq.req.speculate else 0
+            drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
+                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score))
         return live, drafts
 
     def _remaining(self, seq: _Sequence) -> int:
@@ -179,7 +180,10 @@ class SpecEngine:
             n = len(p.tokens) + 1
             if self._wants_prompt_rows(self.seqs.get(d.seq_id)):
                 n += len(d.tokens) - 1
-            out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None))
+            seq = self.seqs.get(d.seq_id)
+            argmax_only = seq is not None and seq.req.params.greedy and seq.req.logprobs is None and \
+                not seq.req.prompt_logprobs
+            out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only))
         return out
 
     @staticmethod
@@ -288,9 +292,11 @@ class SpecEngine:
         drafted = self._propose(drafts)
         proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
-        logits = self.verifier.score(self.score_requests(drafts, proposals))
+        requests = self.score_requests(drafts, proposals)
+        logits = self.verifier.score(requests)
         t2 = time.perf_counter()
-        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), drafted, t0, t1)
+        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        return self._observed(outputs, drafted, t0, t1, self._decode_verify(live, requests, t2 - t1))
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -301,23 +307,34 @@ class SpecEngine:
         drafted = await _maybe_await(self._propose(drafts))
         proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
-        logits = await _maybe_await(self.verifier.score(self.score_requests(drafts, proposals)))
+        requests = self.score_requests(drafts, proposals)
+        logits = await _maybe_await(self.verifier.score(requests))
         t2 = time.perf_counter()
-        return self._observed(self.commit(live, proposals, logits, (t1 - t0, t2 - t1)), drafted, t0, t1)
+        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        return self._observed(outputs, drafted, t0, t1, self._decode_verify(live, requests, t2 - t1))
 
-    def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float) -> list[StepOutput]:
+    def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float,
+                  verify: tuple[float, int, int] | None) -> list[StepOutput]:
         """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
         node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
             depth = max((max((d for d, e in zip(_as_tree(p).depths(), p.exits) if e != LOOKUP), default=0)
                          for p in proposals), default=0)
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
-                                      depth)
+                                      depth, verify)
         return outputs
+
+    @staticmethod
+    def _decode_verify(live: list[_Sequence], requests: list[ScoreRequest], seconds: float) -> tuple | None:
+        """(seconds, batch, positions) of a round's verification when no row filled a prompt (those rounds cost
+        what the prompt costs, not what the grid models), else None."""
+        if any(not seq.generated for seq in live):
+            return None
+        return seconds, len(requests), max(r.num_logits for r in requests)
 
     def _propose(self, drafts: list[DraftRequest]) -> Any:
         """The drafter's proposals (a list, or an awaitable of one from a remote drafter); empty when nothing drafts."""
-        if self.drafter is None or (not self.trees and all(d.k == 0 for d in drafts)):
+        if self.drafter is None or all(d.k == 0 and not d.tree for d in drafts):
             return [Proposal.empty() for _ in drafts]
         return self.drafter.propose(drafts)
 

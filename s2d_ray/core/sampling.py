@@ -58,9 +58,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.detach().cpu().float(), 1, generator=generator))
 
 
+def argmax_ids(scores: torch.Tensor) -> list[int]:
+    """Each row's argmax; `scores` may already be those ids ([n] integers: a verifier's answer to `argmax_only`)."""
+    return scores.tolist() if scores.dim() == 1 else scores.argmax(-1).tolist()
+
+
+def compact_scores(logits: torch.Tensor, argmax_only: bool) -> torch.Tensor:
+    """What a remote verifier ships back: the argmax ids when that is all the caller needs, else the logits."""
+    return logits.argmax(-1) if argmax_only else logits
+
+
 def greedy_verify(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy acceptance: keep the longest prefix equal to the target's argmax; target_logits: [k+1, V]."""
-    best = target_logits.argmax(-1).tolist()
+    """Greedy acceptance: keep the longest prefix equal to the target's argmax; target_logits: [k+1, V] (or the
+    argmax ids [k+1])."""
+    best = argmax_ids(target_logits)
     n = 0
     while n < len(draft_tokens) and draft_tokens[n] == best[n]:
         n += 1

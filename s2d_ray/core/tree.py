@@ -124,7 +124,8 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
 def accept_tree(
     tree: TokenTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[list[int], int]:
-    """Walk the tree against target logits [1 + n, V] (row 0 at the root, row 1 + i at node i).
+    """Walk the tree against target logits [1 + n, V] (row 0 at the root, row 1 + i at node i; greedy rows may be
+    the argmax ids [1 + n] instead).
 
     Returns (accepted node indices from the root down, the next token: bonus or drawn from the residual).
     """
@@ -137,7 +138,7 @@ def accept_tree(
         row = logits[node + 1]
         cands = kids.get(node, [])
         if params.greedy:
-            best = int(row.argmax())
+            best = int(row) if row.dim() == 0 else int(row.argmax())
             nxt = next((c for c in cands if tree.tokens[c] == best), None)
             if nxt is None:
                 return path, best

@@ -70,6 +70,9 @@ class ScoreRequest:
     # A token tree: the last len(parents) tokens are tree nodes (parent index, -1 = the token before them), verified
     # with tree attention (each node sees the prefix and its ancestors); num_logits must be len(parents) + 1.
     parents: list[int] | None = None
+    # The caller needs only each row's argmax (a greedy row asking no logprobs): a remote verifier may answer with the
+    # ids [num_logits] instead of [num_logits, V] logits (49152 floats a row for SmolLM2: megabytes per tree round).
+    argmax_only: bool = False
 
 
 @dataclass

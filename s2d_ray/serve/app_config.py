@@ -73,7 +73,9 @@ class BatchOptions(_Strict):
 
     max_batch_size: int = Field(16, ge=1, description="Most calls merged into one forward.")
     batch_wait_timeout_s: float = Field(
-        0.002, ge=0, description="How long the first call of a batch waits for others (adds latency at low load)."
+        0.0, ge=0, description="How long the first call of a batch waits for others. A router sends ONE call per "
+        "round with all its sequences, so only other routers' calls could merge, and calls that queue while a forward "
+        "runs merge anyway: waiting added ~2 ms to every round at concurrency 1."
     )
     max_live_sequences: int = Field(
         32, ge=1, description="Sequences whose KV one replica keeps (cache rows). Past it the least recently used "

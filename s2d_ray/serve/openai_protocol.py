@@ -35,6 +35,8 @@ class SamplingFields(_Lenient):
     n: int = Field(1, ge=1, description="Independent samples per prompt (bounded by limits.max_choices).")
     stream: bool = Field(False, description="Server-sent events, one chunk per round.")
     user: str | None = Field(None, description="Ignored (OpenAI compatibility).")
+    speculate: bool = Field(True, description="false: plain target decoding for this request, no draft or lookup "
+                            "(extension; the output is the same, only its speed differs).")
 
     @model_validator(mode="after")
     def _stops(self) -> "SamplingFields":
@@ -45,7 +47,7 @@ class SamplingFields(_Lenient):
 
     def sampling(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list}
+                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list, "speculate": self.speculate}
 
     def fan_out(self, prompts: list[dict[str, Any]], fields: dict[str, Any],
                 max_choices: int | None) -> list["GenerateRequest"]:
@@ -148,6 +150,7 @@ class GenerateRequest(BaseModel):
     logprobs: int | None = Field(None, ge=0, description="Target logprob of each generated token plus the top-n "
                                  "alternatives (0: none); off when unset.")
     prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
+    speculate: bool = Field(True, description="False: plain target decoding for this request (same output).")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":

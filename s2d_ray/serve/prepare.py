@@ -68,7 +68,7 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
     params = SamplingParams(temperature=temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
     return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop),
-                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate)
 
 
 def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:

@@ -11,6 +11,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..core.sampling import compact_scores
+
 
 class ModelThread:
     """Runs model work on ONE thread: forwards never block the replica's event loop (health checks, releases keep
@@ -77,10 +79,12 @@ class Counted(NamedTuple):
 
 
 def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-    """Recomputed tokens per request, then the logits; run on the model thread."""
+    """Recomputed tokens per request, then what it ships back: argmax ids for `argmax_only` requests (greedy, no
+    logprobs), else the logits; run on the model thread."""
     recomputed = recomputed_tokens(verifier.table, requests, expected)
     logits = verifier.score(requests)
-    return [x.clone() for x in logits], recomputed  # each tensor pickles alone, not the whole batch's storage
+    # Each tensor pickles alone, not the whole batch's storage (argmax makes a new one; logits are cloned).
+    return [compact_scores(x, r.argmax_only).clone() for x, r in zip(logits, requests)], recomputed
 
 
 def replica_id() -> str:

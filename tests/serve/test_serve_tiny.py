@@ -44,6 +44,22 @@ def test_greedy_http_equals_in_process_target_only(tiny_app, refs):
     assert 0 < accepted < drafted  # the draft was really used, and both accept and reject paths ran
 
 
+def test_speculate_false_opts_one_request_out(tiny_app, refs):
+    """The per-request opt-out: no draft tokens for that request, the same text; the handle API takes it too."""
+    from s2d_ray.serve.openai_protocol import GenerateRequest
+
+    ref = refs["tiny-a"]
+    expected = ref.text(ref.greedy(ref.ids(PROMPTS[0]), 24))
+    plain = complete(tiny_app, "tiny-a", PROMPTS[0], 24, speculate=False)
+    spec = complete(tiny_app, "tiny-a", PROMPTS[0], 24)
+    assert plain["choices"][0]["text"] == spec["choices"][0]["text"] == expected
+    assert plain["metrics"]["speculative_decoding"]["num_draft_tokens"] == 0
+    assert spec["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0
+    resp = tiny_app.handle.generate.remote(GenerateRequest(model="tiny-a", prompt=PROMPTS[0], max_tokens=24,
+                                                           speculate=False)).result()
+    assert resp.text == expected and resp.metrics["num_draft_tokens"] == 0
+
+
 def test_stream_concatenates_to_non_streaming(tiny_app):
     body = {"model": "tiny-a", "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0}
     r = post(f"{tiny_app.url}/v1/completions", body)

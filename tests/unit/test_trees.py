@@ -281,3 +281,15 @@ def test_cached_prefix_after_every_tree_round_equals_a_fresh_forward(target):
                 ref = target(torch.tensor([seq.tokens])).logits[0, -1]
             assert torch.allclose(logits[0], ref, atol=1e-9), (rounds, seq_id)
     assert rounds > 3
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_per_request_opt_out_decodes_plainly_beside_speculating_rows(target, lookup):
+    """`speculate=False` (the OpenAI body's `speculate: false`): that row gets no draft and no lookup nodes, the
+    others in its batch still speculate, and every output is the target's greedy."""
+    prompts = repetitive_prompts(2, seed=4) + random_prompts(2, seed=4)
+    reqs = [GenerationRequest(f"s{i}", p, 30, speculate=i % 2 == 0) for i, p in enumerate(prompts)]
+    out = tree_engine(target, 3, lookup).generate(reqs)
+    for p, o, r in zip(prompts, out, reqs):
+        assert o.token_ids == reference_greedy(target, p, 30)
+        assert (o.metrics["num_draft_tokens"] > 0) == r.speculate
