@@ -18,6 +18,7 @@ from torch import nn
 
 from ..build import DTYPES, build_draft, build_engine, load_profile
 from ..config import EngineConfig, SpecConfig
+from ..core.attention import stock_attention
 from ..core.draft import SortedDraft
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
@@ -93,7 +94,7 @@ class HFGenerate:
         ids = torch.tensor([prompt_ids])
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        with torch.no_grad():
+        with torch.no_grad(), stock_attention(self.model, self._extra_kwargs().get("assistant_model")):
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, min_new_tokens=0,
                 use_cache=True, eos_token_id=self.eos, pad_token_id=self.eos, **sampling_kwargs(params),
