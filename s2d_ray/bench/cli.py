@@ -164,6 +164,9 @@ def _register_serve(bench) -> None:
     p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for the mixed prompts")
     p.add_argument("--no-usage", action="store_true", help="do not ask for stream_options.include_usage")
     p.add_argument("--api-key-env", default="S2D_API_KEY", help="environment variable holding the bearer key")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="each level also runs with speculate: false (plain decoding through the same app): served "
+                   "speculative vs served AR in one run")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 
@@ -176,7 +179,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.max_tokens < 1 or args.max_seconds <= 0 or min(args.concurrency) < 1:
         raise ConfigError("--requests, --max-tokens, --max-seconds and --concurrency must be positive")
     load = LoadRun(args.url, args.model, args.concurrency, args.requests, args.max_seconds, args.max_tokens,
-                   args.temperature, args.timeout, not args.no_usage, os.environ.get(args.api_key_env) or None)
+                   args.temperature, args.timeout, not args.no_usage, os.environ.get(args.api_key_env) or None,
+                   compare_plain=args.compare_plain)
     result = asyncio.run(run_load(load, mixed_prompts(args.questions)))
     out = args.out or _default_out("serve")
     out.mkdir(parents=True, exist_ok=True)

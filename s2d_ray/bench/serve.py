@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ class LoadRun:
     timeout: float = 120.0  # per request
     include_usage: bool = True
     api_key: str | None = None  # sent as `Authorization: Bearer <key>`; never written to results
+    # Each level also runs with `speculate: false` (plain target decoding through the SAME app, processes and
+    # batching), right after the speculative run: served S2D against served AR in one run, no second deployment.
+    compare_plain: bool = False
+    speculate: bool | None = None  # the body's `speculate` field; None: not sent (the server's default)
 
 
 @dataclass
@@ -73,6 +77,8 @@ def percentile(values: list[float], q: float) -> float | None:
 async def one_request(client, run: LoadRun, prompt: str) -> RequestResult:
     body = {"model": run.model, "prompt": prompt, "max_tokens": run.max_tokens, "temperature": run.temperature,
             "stream": True}
+    if run.speculate is not None:
+        body["speculate"] = run.speculate
     if run.include_usage:
         body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
@@ -156,13 +162,16 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
     limits = httpx.Limits(max_connections=max(run.concurrency), max_keepalive_connections=max(run.concurrency))
     headers = {"authorization": f"Bearer {run.api_key}"} if run.api_key else {}
     summary, raw = [], {}
+    variants = [("speculative", True), ("plain", False)] if run.compare_plain else [(None, run.speculate)]
     async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
         for c in run.concurrency:
-            t0 = time.perf_counter()
-            results = await run_level(client, run, c, prompts)
-            summary.append(level_summary(c, results, time.perf_counter() - t0))
-            raw[str(c)] = [asdict(r) for r in results]
-            logger.info("concurrency %d: %s", c, summary[-1])
+            for label, speculate in variants:
+                t0 = time.perf_counter()
+                results = await run_level(client, replace(run, speculate=speculate), c, prompts)
+                summary.append({**level_summary(c, results, time.perf_counter() - t0),
+                                **({"variant": label} if label else {})})
+                raw[f"{c}-{label}" if label else str(c)] = [asdict(r) for r in results]
+                logger.info("concurrency %d %s: %s", c, label or "", summary[-1])
     settings = {**asdict(run), "api_key": "***" if run.api_key else None}
     return {"machine": machine_info(), "run": settings, "summary": summary, "requests": raw}
 
@@ -178,13 +187,27 @@ def serve_markdown(result: dict) -> str:
              "| concurrency | completed | errors | tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50/p99 ms |",
              "|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
-        lines.append(f"| {s['concurrency']} | {s['completed']} | {s['errors']} | {s['throughput_tokens_per_s']:.2f} | "
+        level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
+        lines.append(f"| {level} | {s['completed']} | {s['errors']} | {s['throughput_tokens_per_s']:.2f} | "
                      f"{s['requests_per_s']:.2f} | {_f(s['ttft_ms_p50'])}/{_f(s['ttft_ms_p99'])} | "
                      f"{_f(s['itl_ms_p50'])}/{_f(s['itl_ms_p99'])} | {_f(s['tpot_ms_p50'])}/{_f(s['tpot_ms_p99'])} |")
+    pairs = compared_levels(result)
+    if pairs:
+        lines += ["", "| concurrency | speculative tok/s | plain tok/s | speculative / plain |", "|---|---|---|---|"]
+        for c, spec, plain in pairs:
+            ratio = spec / plain if plain else float("nan")
+            lines.append(f"| {c} | {spec:.2f} | {plain:.2f} | {ratio:.2f} |")
     errors = [e for s in result["summary"] for e in s["error_samples"]]
     if errors:
         lines += ["", "Errors seen: " + "; ".join(sorted(set(errors))[:5])]
     return "\n".join(lines) + "\n"
+
+
+def compared_levels(result: dict) -> list[tuple[int, float, float]]:
+    """(concurrency, speculative tok/s, plain tok/s) of a `compare_plain` run; [] otherwise."""
+    by = {(s["concurrency"], s.get("variant")): s["throughput_tokens_per_s"] for s in result["summary"]}
+    return [(c, by[(c, "speculative")], by[(c, "plain")]) for c in result["run"]["concurrency"]
+            if (c, "speculative") in by and (c, "plain") in by]
 
 
 def plot_load(result: dict, path: Path) -> Path:
@@ -193,10 +216,15 @@ def plot_load(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = result["summary"]
+    s = [x for x in result["summary"] if x.get("variant") in (None, "speculative")]
     c = [x["concurrency"] for x in s]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(c, [x["throughput_tokens_per_s"] for x in s], marker="o")
+    a.plot(c, [x["throughput_tokens_per_s"] for x in s], marker="o", label="speculative")
+    plain = [x for x in result["summary"] if x.get("variant") == "plain"]
+    if plain:
+        a.plot([x["concurrency"] for x in plain], [x["throughput_tokens_per_s"] for x in plain], marker="s",
+               label="plain (speculate: false)")
+        a.legend(fontsize=8)
     a.set_xscale("log", base=2)
     a.set_xlabel("concurrent requests")
     a.set_ylabel("output tokens/s")

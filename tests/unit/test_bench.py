@@ -180,7 +180,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def sse_server():
     """A stand-in OpenAI streaming endpoint on 127.0.0.1 (the real router replaces it once it exists):
-    5 chunks of 2 tokens, usage last; prompt "FAIL" -> 400, prompt "HANG" -> never answers."""
+    5 chunks of 2 tokens (10 of 1 with `speculate: false`), usage last; prompt "FAIL" -> 400, prompt "HANG" -> never
+    answers."""
     import asyncio
 
     import uvicorn
@@ -197,7 +198,8 @@ def sse_server():
         async def events():
             if body["prompt"] == "HANG":
                 await asyncio.sleep(30)
-            for i in range(5):
+            chunks = 10 if body.get("speculate") is False else 5  # "plain decoding": a token per chunk, slower
+            for i in range(chunks):
                 await asyncio.sleep(0.01)
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f'ab{i}'}]})}\n\n"
             if body.get("stream_options", {}).get("include_usage"):
@@ -235,6 +237,23 @@ def test_load_client_measures_levels_and_counts_errors(sse_server, tmp_path):
         assert lv["itl_ms_p99"] >= lv["itl_ms_p50"] and lv["throughput_tokens_per_s"] > 0
     assert "| 4 | 4 | 2 |" in serve_markdown(result)
     assert plot_load(result, tmp_path / "serve.png").stat().st_size > 1000
+
+
+def test_compare_plain_runs_each_level_both_ways_and_reports_the_ratio(sse_server, tmp_path):
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, compared_levels, plot_load, run_load, serve_markdown
+
+    run = LoadRun(sse_server, "m", [1, 2], requests=4, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True)
+    result = asyncio.run(run_load(run, ["hello"]))
+    assert [(s["concurrency"], s["variant"]) for s in result["summary"]] == [
+        (1, "speculative"), (1, "plain"), (2, "speculative"), (2, "plain")]
+    pairs = compared_levels(result)
+    assert [c for c, _, _ in pairs] == [1, 2]
+    assert all(spec > 1.3 * plain for _, spec, plain in pairs)  # the stand-in's plain path streams twice the chunks
+    text = serve_markdown(result)
+    assert "| 1 plain |" in text and "speculative / plain" in text
+    assert plot_load(result, tmp_path / "cmp.png").stat().st_size > 1000
 
 
 def test_load_client_stops_by_itself_on_a_hanging_server(sse_server, tmp_path):
