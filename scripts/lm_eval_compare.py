@@ -18,18 +18,14 @@ SOURCE = {"smollm2-135m-gsm8k": "smollm2-135m-gsm8k", "smollm2-135m-instruct": "
 TASKS = ("s2d_mc_local", "s2d_gsm8k_local")
 
 
-def _latest(run: Path, pattern: str) -> Path | None:
-    found = sorted(run.rglob(pattern))
-    return found[-1] if found else None
-
-
 def load(run: Path, task: str) -> tuple[dict, dict[int, dict]] | None:
     """(the task's metrics, samples by doc id) of one lm-eval output directory, or None if it has no such task."""
-    samples = _latest(run, f"samples_{task}_*.jsonl")
-    results = _latest(run, "results_*.json")
-    if samples is None or results is None:
+    samples = max(run.rglob(f"samples_{task}_*.jsonl"), default=None)
+    results = [r for r in (json.loads(p.read_text())["results"] for p in sorted(run.rglob("results_*.json")))
+               if task in r]
+    if samples is None or not results:
         return None
-    metrics = json.loads(results.read_text())["results"][task]
+    metrics = results[-1][task]
     rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
     return metrics, {r["doc_id"]: r for r in rows}
 
@@ -70,6 +66,23 @@ def compare_gen(a: dict[int, dict], b: dict[int, dict]) -> str:
     return out + (f" (differ: {'; '.join(diffs)})" if diffs else "")
 
 
+def engine_refs(out: Path, model: str, task: str) -> dict[int, dict] | None:
+    """This project's target alone: engine-ll/<model>.jsonl (loglikelihoods, lm-eval's resps shape) or
+    engine-ar/<model>.jsonl (`s2d generate --json` over the GSM8K prompts in lm-eval's order)."""
+    if task == "s2d_mc_local":
+        path = out / "engine-ll" / f"{model}.jsonl"
+        wrap = None
+    else:
+        path = out / "engine-ar" / f"{model}.jsonl"
+        wrap = "text"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if wrap is None:
+        return {r["doc_id"]: r for r in rows}
+    return {d: {"resps": [[r[wrap]]]} for d, r in enumerate(rows)}
+
+
 def main(out: Path) -> None:
     print("| task | served model | in-process | served scores | in-process scores | per sample |")
     print("|---|---|---|---|---|---|")
@@ -78,20 +91,18 @@ def main(out: Path) -> None:
             s = load(served, task)
             if s is None:
                 continue
+            refs = []
             for ref_root in sorted(out.glob("hf-*")):
                 ref_dir = ref_root / SOURCE.get(served.name, served.name)
                 r = load(ref_dir, task) if ref_dir.is_dir() else None
-                if r is None:
-                    continue
-                per = compare_mc(s[1], r[1]) if task == "s2d_mc_local" else compare_gen(s[1], r[1])
-                print(f"| {task} | {served.name} | {ref_root.name}/{ref_dir.name} | {_scores(s[0])} | "
-                      f"{_scores(r[0])} | {per} |")
-            engine = out / "engine-ar" / f"{served.name}.jsonl"
-            if task == "s2d_gsm8k_local" and engine.is_file():  # this project's target alone, same prompts in order
-                rows = [json.loads(line) for line in engine.read_text().splitlines() if line.strip()]
-                ref = {d: {"resps": [[r["text"]]]} for d, r in enumerate(rows)}
-                print(f"| {task} | {served.name} | engine-ar/{served.name} | {_scores(s[0])} | | "
-                      f"{compare_gen(s[1], ref)} |")
+                if r is not None:
+                    refs.append((f"{ref_root.name}/{ref_dir.name}", _scores(r[0]), r[1]))
+            engine = engine_refs(out, served.name, task)
+            if engine is not None:
+                refs.append((f"engine ({'ll' if task == 's2d_mc_local' else 'ar'})", "", engine))
+            for label, scores, samples in refs:
+                per = compare_mc(s[1], samples) if task == "s2d_mc_local" else compare_gen(s[1], samples)
+                print(f"| {task} | {served.name} | {label} | {_scores(s[0])} | {scores} | {per} |")
 
 
 if __name__ == "__main__":

@@ -199,6 +199,15 @@ def test_openai_client_logprobs_n_echo_streamed_and_not(tiny_app, ref):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model="tiny-a", messages=messages, max_tokens=6, temperature=0, logprobs=True, stream=True) if ch.choices)
     assert streamed == chat.choices[0].message.content
+    by_index: dict[int, list] = {0: [], 1: []}  # chat, streamed, n = 2, with logprobs
+    for chunk in client.chat.completions.create(model="tiny-a", messages=messages, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=3, n=2, stream=True):
+        for ch in chunk.choices:
+            by_index[ch.index].append(ch)
+    for i, chunks in by_index.items():
+        assert "".join(ch.delta.content or "" for ch in chunks) == chat.choices[i].message.content
+        streamed_lp = [e for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+        assert [e.logprob for e in streamed_lp] == [e.logprob for e in chat.choices[i].logprobs.content]
 
 
 def test_client_hanging_up_mid_n_streams_frees_everything(tiny_app):
