@@ -4,8 +4,11 @@
 # decoding alone for the GSM8K prompts), then a per-sample comparison.
 #
 # usage: scripts/lm_eval_acceptance.sh OUT_DIR [served|inprocess|engine|compare|all]
-#   env: GSM8K_LIMIT (24), INPROCESS_DTYPES ("bfloat16 float32"), S2D_DATA_DIR (/work/shared/data),
-#        S2D_MODELS (~/.cache/s2d_ray/models: the converted targets, whose tokenizers lm-eval needs), PYTHON, BIN
+#   env: GSM8K_LIMIT (24), INPROCESS_DTYPES ("bfloat16 float32"), ENGINE_DTYPE (auto), S2D_DATA_DIR
+#        (/work/shared/data), S2D_MODELS (~/.cache/s2d_ray/models: the converted targets, whose tokenizers lm-eval
+#        needs), PYTHON, BIN; SERVED_DTYPE: serve a copy of local.yaml with `dtype: <it>` on the draft and every
+#        target (a supplementary run: `dtype: auto` is bf16 on CPUs with AVX512-BF16, where greedy equality holds only
+#        up to rounding near-ties)
 # Run it from a quiet machine (it starts Ray Serve on 127.0.0.1:8000, as local.yaml says).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +39,13 @@ timed() {  # timed NAME CMD...: run, record the wall time in $OUT/times.tsv
 }
 
 served() {
-    "$BIN/serve" run deployments/local.yaml > "$OUT/serve.log" 2>&1 &
+    local config=deployments/local.yaml
+    if [ -n "${SERVED_DTYPE:-}" ]; then
+        config=$OUT/local-$SERVED_DTYPE.yaml
+        sed -e "s/^\(      draft:\)$/\1\n        dtype: $SERVED_DTYPE/" \
+            -e "s/^\(        - name: .*\)$/\1\n          dtype: $SERVED_DTYPE/" deployments/local.yaml > "$config"
+    fi
+    "$BIN/serve" run "$config" > "$OUT/serve.log" 2>&1 &
     local pid=$!
     # SIGTERM: a background job of a script ignores SIGINT; serve run shuts its local Ray down on either
     trap "kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true" EXIT
@@ -74,7 +83,7 @@ inprocess() {
     done
 }
 
-engine() {  # the GSM8K prompts through this project's own target, in-process, target only (the lossless reference)
+engine() {  # both tasks through this project's own target alone, in-process (the lossless reference)
     local dt=${ENGINE_DTYPE:-auto}
     "$PYTHON" -c "import json, sys
 for line in list(open(sys.argv[1]))[:int(sys.argv[2])]:
@@ -84,6 +93,9 @@ for line in list(open(sys.argv[1]))[:int(sys.argv[2])]:
     timed "engine ar $dt gsm8k $GEN_MODEL" "$PYTHON" -m s2d_ray.cli generate --target "${SOURCE[$GEN_MODEL]}" \
         --mode ar --dtype "$dt" --threads 1 --chat --max-new-tokens 256 --json \
         --prompt-file "$OUT/gsm8k-prompts.jsonl" > "$OUT/engine-ar/$GEN_MODEL.jsonl"
+    local pairs=""
+    for m in $MC_MODELS; do pairs="$pairs $m=${SOURCE[$m]}"; done
+    timed "engine ll $dt mc" "$PYTHON" scripts/lm_eval_engine_ll.py "$OUT" $pairs --dtype "$dt"
 }
 
 compare() {
