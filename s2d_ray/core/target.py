@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from .cache import causal_allowed
-from .stack import (FREE_WIDTH, LayerStack, PendingTree, RowState, RowTable, common_prefix, decoder_parts, length_groups,
-                    pending_grid)
+from .stack import (FREE_WIDTH, LayerStack, PendingTree, RowState, RowTable, common_prefix, decoder_parts,
+                    length_groups, pending_grid)
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
 
@@ -66,7 +66,8 @@ class TargetVerifier:
             starts.append(st.filled[0])
             ends.append(len(req.tokens) - 1)
         picked: list[torch.Tensor | None] = [None] * len(requests)
-        for batch in fork_order(requests, starts):  # rows sharing a new prompt: after it is computed
+        batches = fork_order(requests, starts) if self.share_prefixes else [list(range(len(requests)))]
+        for batch in batches:  # rows sharing a new prompt: after it is computed
             for i in batch:
                 if starts[i] == 0 and self.share_prefixes:
                     starts[i] = self.table.fork(requests[i].seq_id, len(requests[i].tokens) - requests[i].num_logits)
