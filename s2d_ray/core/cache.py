@@ -106,6 +106,14 @@ class SlotKVCache:
             for t in store:
                 t[row, dst] = t[row, src_t]  # advanced indexing gathers a copy first: overlaps are safe
 
+    @torch.no_grad()
+    def copy_prefix(self, src_row: int, dst_row: int, num_slots: int) -> None:
+        """Copy K/V of slots [0, num_slots) from one row to another, in every layer (a forked sequence's prompt)."""
+        self.reserve(max(src_row, dst_row) + 1, num_slots)
+        for store in (self.keys, self.values):
+            for t in store:
+                t[dst_row, :num_slots] = t[src_row, :num_slots]
+
     def nbytes(self) -> int:
         """Bytes held by keys and values (replica stats check them against the configured bound)."""
         return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store)

@@ -215,6 +215,7 @@ class RowTable:
         self.states: OrderedDict[str, RowState] = OrderedDict()  # least recently synced first
         self.max_rows: int | None = None
         self.num_evicted = 0  # sequences whose row was taken for another (their KV is recomputed if they return)
+        self.num_forked_tokens = 0  # prompt positions copied from another row instead of computed (fork)
         self._free: list[int] = []
         self._next_row = 0
 
@@ -262,6 +263,25 @@ class RowTable:
             self.cache.move_slots(state.row, src, tree.start)
         state.tokens = state.tokens[: tree.start] + [tree.tokens[i] for i in path]
         state.filled = [tree.start + len(path) if f >= tree.start else f for f in state.filled]
+
+    def fork(self, seq_id: str, limit: int) -> int:
+        """Give a sequence with no KV yet the longest prefix of its tokens that another live row holds, at most
+        `limit` positions: one copy per layer instead of a prefill (n choices of one prompt, a shared system prompt).
+        Returns the positions it now holds (0: nothing shared)."""
+        state = self.states[seq_id]
+        if any(state.filled):
+            return 0
+        src, shared = None, 0
+        for other_id, other in self.states.items():
+            n = min(self.cached_prefix(other_id, state.tokens), limit) if other is not state else 0
+            if n > shared:
+                src, shared = other, n
+        if src is None:
+            return 0
+        self.cache.copy_prefix(src.row, state.row, shared)
+        state.filled = [min(f, shared) for f in src.filled]
+        self.num_forked_tokens += state.filled[0]
+        return state.filled[0]
 
     def cached_prefix(self, seq_id: str, tokens: list[int]) -> int:
         """How many leading positions of `tokens` already hold KV here in the first segment (0 for an unknown id)."""

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from .cache import causal_allowed
-from .stack import LayerStack, PendingTree, RowTable, decoder_parts, length_groups, pending_grid
+from .stack import (FREE_WIDTH, LayerStack, PendingTree, RowState, RowTable, common_prefix, decoder_parts,
+                    length_groups, pending_grid)
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
 
@@ -33,13 +34,14 @@ class TargetVerifier:
     same requests and rank 0's logits are the answer.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, share_prefixes: bool = True) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)])
         self.cache = self.stack.new_cache()
         self.table = RowTable(1, self.cache)
         self.vocab_size = model.config.vocab_size
+        self.share_prefixes = share_prefixes
 
     @torch.no_grad()
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
@@ -64,20 +66,20 @@ class TargetVerifier:
             starts.append(st.filled[0])
             ends.append(len(req.tokens) - 1)
         picked: list[torch.Tensor | None] = [None] * len(requests)
-        for group in length_groups([e - s + 1 for s, e in zip(starts, ends)]):  # prompts apart from decode rows
-            sub = [requests[i] for i in group]
-            hidden = self._forward(sub, [states[i] for i in group], [starts[i] for i in group], [ends[i] for i in group])
-            for j, i in enumerate(group):
-                n = ends[i] - starts[i] + 1
-                picked[i] = hidden[j, n - requests[i].num_logits : n]
+        batches = fork_order(requests, starts) if self.share_prefixes else [list(range(len(requests)))]
+        for batch in batches:  # rows sharing a new prompt: after it is computed
+            for i in batch:
+                if starts[i] == 0 and self.share_prefixes:
+                    starts[i] = self.table.fork(requests[i].seq_id, len(requests[i].tokens) - requests[i].num_logits)
+            for sub_group in length_groups([ends[i] - starts[i] + 1 for i in batch]):  # prompts apart from decode rows
+                group = [batch[j] for j in sub_group]
+                hidden = self._forward([requests[i] for i in group], [states[i] for i in group],
+                                       [starts[i] for i in group], [ends[i] for i in group])
+                for j, i in enumerate(group):
+                    n = ends[i] - starts[i] + 1
+                    picked[i] = hidden[j, n - requests[i].num_logits : n]
+                    _computed(states[i], requests[i])
         logits = widen(self.stack.logits(torch.cat(picked)))  # one LM-head matmul for the whole batch
-        for st, req in zip(states, requests):
-            if req.parents:
-                start = len(req.tokens) - len(req.parents)
-                st.filled[0], st.tokens = start, st.tokens[:start]
-                st.tree = PendingTree(start, list(req.tokens[start:]), list(req.parents))
-            else:
-                st.filled[0] = len(req.tokens)
         return list(logits.split([req.num_logits for req in requests]))
 
     def _forward(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int]) -> torch.Tensor:
@@ -97,6 +99,30 @@ class TargetVerifier:
     @property
     def num_active(self) -> int:
         return len(self.table)
+
+
+def _computed(st: RowState, req: ScoreRequest) -> None:
+    """A row's KV now holds its tokens (a tree's nodes: pending, compacted on the next sync)."""
+    if req.parents:
+        start = len(req.tokens) - len(req.parents)
+        st.filled[0], st.tokens = start, st.tokens[:start]
+        st.tree = PendingTree(start, list(req.tokens[start:]), list(req.parents))
+    else:
+        st.filled[0] = len(req.tokens)
+
+
+def fork_order(requests: list[ScoreRequest], starts: list[int], min_shared: int = FREE_WIDTH) -> list[list[int]]:
+    """Request indices in two forwards: a new row whose prompt shares at least `min_shared` positions with another
+    new row of this call (the n choices of one request) waits for the second forward and forks that row's KV.
+
+    The wait costs one more forward, so shorter shared prefixes are computed twice instead."""
+    first, later = [], []
+    for i, req in enumerate(requests):
+        limit = len(req.tokens) - req.num_logits
+        shares = starts[i] == 0 and limit >= min_shared and any(
+            starts[j] == 0 and min(common_prefix(req.tokens, requests[j].tokens), limit) >= min_shared for j in first)
+        (later if shares else first).append(i)
+    return [first, later] if later else [first]
 
 
 def tree_layout(

@@ -44,7 +44,8 @@ class LocalTarget:
 
     def describe(self) -> dict:
         table = self.verifier.table
-        return {"tp_size": 1, "num_evicted": table.num_evicted, "cache_bytes": self.verifier.cache.nbytes()}
+        return {"tp_size": 1, "num_evicted": table.num_evicted, "num_forked_tokens": table.num_forked_tokens,
+                "cache_bytes": self.verifier.cache.nbytes()}
 
     def close(self) -> None:
         self.thread.close()

@@ -117,6 +117,23 @@ def test_n_seeded_samples_are_independent_and_reproducible(tiny_app):
     assert streamed[-2]["usage"] == first["usage"]
 
 
+def test_n_choices_prefill_a_long_prompt_once(tiny_app, ref):
+    """n choices of a long prompt: the target copies one row's prompt KV into the others (forked tokens in /health),
+    and every choice still equals a single request with its seed."""
+    prompt = " ".join(f"item {i} is {i * 7 % 13};" for i in range(12))
+    assert len(ref.ids(prompt)) > 40
+
+    def forked() -> int:
+        health = httpx.get(f"{tiny_app.url}/health", timeout=HTTP_TIMEOUT).json()
+        return health["targets"]["tiny-a"]["deployment"]["num_forked_tokens"]
+
+    before = forked()
+    req = {"model": "tiny-a", "prompt": prompt, "max_tokens": 12, "temperature": 1.0, "n": 3, "seed": 5}
+    texts = [c["text"] for c in completions(tiny_app, **req)["choices"]]
+    assert forked() - before >= 2 * (len(ref.ids(prompt)) - 1)
+    assert [completions(tiny_app, **{**req, "n": 1, "seed": 5 + i})["choices"][0]["text"] for i in range(3)] == texts
+
+
 def test_handle_api_sampled_logprobs_are_of_the_sampling_distribution(tiny_app, ref, hf):
     """temperature / top-k as the sampler applied them, through the Python handle (token ids, not strings)."""
     from s2d_ray.core.sampling import logits_to_probs
@@ -182,6 +199,15 @@ def test_openai_client_logprobs_n_echo_streamed_and_not(tiny_app, ref):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         model="tiny-a", messages=messages, max_tokens=6, temperature=0, logprobs=True, stream=True) if ch.choices)
     assert streamed == chat.choices[0].message.content
+    by_index: dict[int, list] = {0: [], 1: []}  # chat, streamed, n = 2, with logprobs
+    for chunk in client.chat.completions.create(model="tiny-a", messages=messages, max_tokens=6, temperature=0,
+                                                logprobs=True, top_logprobs=3, n=2, stream=True):
+        for ch in chunk.choices:
+            by_index[ch.index].append(ch)
+    for i, chunks in by_index.items():
+        assert "".join(ch.delta.content or "" for ch in chunks) == chat.choices[i].message.content
+        streamed_lp = [e for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+        assert [e.logprob for e in streamed_lp] == [e.logprob for e in chat.choices[i].logprobs.content]
 
 
 def test_client_hanging_up_mid_n_streams_frees_everything(tiny_app):
