@@ -99,33 +99,48 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _register_selfdistill(sub) -> None:
-    p = sub.add_parser("self-distill", help="generate the target's own greedy responses to training instructions")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p = sub.add_parser("self-distill", help="generate the targets' own greedy responses to training instructions")
+    p.add_argument("--target", nargs="+", default=[DEFAULT_TARGET],
+                   help="one or more targets; several need a directory --out (chunks go round-robin over them)")
     p.add_argument("--data", default=DEFAULT_DATA)
-    p.add_argument("--out", required=True, help="JSONL to append to (resumable)")
+    p.add_argument("--out", required=True,
+                   help="a .jsonl file to append to (one target), or a directory of gzip chunks; both resumable")
     p.add_argument("--split", choices=["train", "heldout"], default="train")
-    p.add_argument("--num", type=int, default=1000, help="number of instructions")
+    p.add_argument("--num", type=int, default=None, help="number of instructions (default: all of the split)")
     p.add_argument("--gsm8k-fraction", type=float, default=0.25, help="share of gsm8k_train rows")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="rows per engine batch (= per chunk file)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="bfloat16 decodes a batch ~2x faster on CPUs with AVX512-BF16/AMX (and on GPUs)")
+    p.add_argument("--stop-after", type=int, default=None, help="directory mode: stop after N more chunks")
     p.set_defaults(func=run_selfdistill)
 
 
 def run_selfdistill(args: argparse.Namespace) -> int:
-    from .selfdistill import generate_responses, pick_rows
+    from .data import data_hash
+    from .selfdistill import generate_chunks, generate_responses, pick_rows
 
-    if args.num < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+    if (args.num is not None and args.num < 1) or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num, --batch-size and --max-new-tokens must be >= 1")
+    out = Path(args.out)
+    single = out.suffix == ".jsonl"
+    if single and len(args.target) > 1:
+        raise ValueError("several --target need a directory --out (not a .jsonl file)")
     set_threads(args.threads)
-    rows = pick_rows(Path(args.data), args.num, args.seed, args.split,
-                     {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None)
-    made = generate_responses(args.target, rows, Path(args.out), args.max_new_tokens, args.batch_size,
-                              threads=args.threads, dtype=args.dtype)
-    print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
+    fraction = {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None
+    rows = pick_rows(Path(args.data), args.num, args.seed, args.split, fraction)
+    if single:
+        made = generate_responses(args.target[0], rows, out, args.max_new_tokens, args.batch_size,
+                                  threads=args.threads, dtype=args.dtype)
+        print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
+        return 0
+    picked = {"data": Path(args.data).name, "data_sha256_16": data_hash([Path(args.data)]), "split": args.split,
+              "num": args.num, "gsm8k_fraction": args.gsm8k_fraction, "seed": args.seed}
+    info = generate_chunks(args.target, rows, out, picked, args.max_new_tokens, args.batch_size, threads=args.threads,
+                           dtype=args.dtype, stop_after=args.stop_after)
+    print(json.dumps({"rows": len(rows), **info, "out": args.out}))
     return 0
 
 

@@ -8,6 +8,7 @@ hash of the instruction, so it never changes with the seed or the file order.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -35,12 +36,23 @@ def row_key(row: dict) -> str:
     return row.get("instruction") or json.dumps(row.get("conversations", row.get("prompt_ids", "")))
 
 
-def read_rows(path: Path) -> Iterator[dict]:
-    """JSONL rows, or a JSON list (ShareGPT dumps); each gets an `id` if it has none."""
+def data_files(path: Path) -> list[Path]:
+    """A data file, or a self-distilled directory's chunk files in order (see selfdistill.py)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"training data {path} does not exist")
-    text = path.read_text()
+    return sorted(path.glob("chunk-*.jsonl.gz")) if path.is_dir() else [path]
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    """JSONL rows (plain or .gz), a JSON list (ShareGPT dumps) or a chunk directory; each gets an `id` if none."""
+    path = Path(path)
+    files = data_files(path)
+    if path.is_dir():
+        for f in files:
+            yield from read_rows(f)
+        return
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     if text.lstrip().startswith("["):
         rows = json.loads(text)
     else:
@@ -52,8 +64,8 @@ def read_rows(path: Path) -> Iterator[dict]:
 
 def data_hash(paths: list[Path]) -> str:
     digest = hashlib.sha256()
-    for p in paths:
-        digest.update(Path(p).read_bytes())
+    for f in (f for p in paths for f in data_files(p)):
+        digest.update(f.read_bytes())
     return digest.hexdigest()[:16]
 
 
