@@ -40,6 +40,10 @@ def _register_train(sub) -> None:
     p.add_argument("--kd-target", nargs="*", default=[], help="targets whose logits the draft also distils")
     p.add_argument("--kd-weight", type=float, default=0.0, help="weight of the KD term (0..1)")
     p.add_argument("--kd-temperature", type=float, default=1.0)
+    p.add_argument("--kd-cache", default=None,
+                   help="directory for the KD targets' top-k logits over the packed data: computed once (resumable), "
+                        "then KD reads them instead of running the targets every step")
+    p.add_argument("--kd-topk", type=int, default=32, help="logits kept per position in --kd-cache")
     p.add_argument("--train-norm-head", action="store_true", help="also train an own copy of norm and LM head")
     p.add_argument("--vocab-size", type=int, default=0, help="reduced draft vocabulary (0 = full)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -76,6 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = SoftConfig(target=args.target, out=args.out, data=args.data, sources=args.sources, num_layers=args.layers,
                      exit_layers=args.exits, exit_weights=args.exit_weights, kd_targets=args.kd_target,
                      kd_weight=args.kd_weight, kd_temperature=args.kd_temperature,
+                     kd_cache=args.kd_cache, kd_topk=args.kd_topk,
                      train_norm_head=args.train_norm_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
                      weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,
@@ -83,6 +88,8 @@ def run_train(args: argparse.Namespace) -> int:
                      threads=args.threads, limit_examples=args.limit_examples, init=args.init)
     if cfg.kd_weight > 0 and not cfg.kd_targets:
         raise ValueError("--kd-weight > 0 needs at least one --kd-target")
+    if cfg.kd_topk < 1:
+        raise ValueError("--kd-topk must be >= 1")
     if cfg.exit_weights and len(cfg.exit_weights) != len(cfg.exits()):
         raise ValueError(f"--exit-weights needs one weight per exit ({len(cfg.exits())})")
     run = Run(cfg)

@@ -116,12 +116,14 @@ def render_example(tok, row: dict) -> tuple[list[int], list[bool]]:
 
 @dataclass
 class Packed:
-    """One batch: ids [B, S], labels [B, S] (-100 = no loss), positions [B, S], doc [B, S] (document index)."""
+    """One batch: ids [B, S], labels [B, S] (-100 = no loss), positions [B, S], doc [B, S] (document index);
+    row [B]: each row's index in the packed list (what a KD cache is keyed by)."""
 
     ids: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
     doc: torch.Tensor
+    row: torch.Tensor | None = None
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """Additive [B, 1, S, S] mask: causal within each packed document, nothing across documents."""
@@ -153,8 +155,13 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int) -> list[Pac
         labels = [x[4] if x[1] else -100 for x in r] + [-100] * pad
         pos = [x[2] for x in r] + list(range(pad))
         doc = [x[3] for x in r] + [-1] * pad
-        out.append(Packed(*(torch.tensor([v]) for v in (ids, labels, pos, doc))))
+        out.append(Packed(*(torch.tensor([v]) for v in (ids, labels, pos, doc, len(out)))))
     return out
+
+
+def stack_rows(rows: list[Packed]) -> Packed:
+    """Packed rows stacked into one batch (row indices kept)."""
+    return Packed(*(torch.cat([getattr(p, f) for p in rows]) for f in ("ids", "labels", "positions", "doc", "row")))
 
 
 def batches(rows: list[Packed], batch_size: int, seed: int, epoch: int) -> list[Packed]:
@@ -164,7 +171,7 @@ def batches(rows: list[Packed], batch_size: int, seed: int, epoch: int) -> list[
     out = []
     for s in range(0, len(order) - batch_size + 1, batch_size):
         pick = [rows[i] for i in order[s : s + batch_size]]
-        out.append(Packed(*(torch.cat([getattr(p, f) for p in pick]) for f in ("ids", "labels", "positions", "doc"))))
+        out.append(stack_rows(pick))
     return out
 
 

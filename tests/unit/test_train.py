@@ -293,3 +293,71 @@ def test_export_from_checkpoint_equals_the_saved_draft(tmp_path, tiny_llama_dir)
     a, b = load_file(str(tmp_path / "saved" / "draft.safetensors")), load_file(str(tmp_path / "exported" / "draft.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert manifest["steps"] == 2
+
+
+def test_topk_kd_equals_full_kd_restricted_to_the_top_k():
+    """The cached loss is the full-logit KD of the target renormalised over its top-k ids in the draft vocabulary:
+    exact when k covers the vocabulary, and a direct sum over those ids otherwise."""
+    from s2d_ray.train.forward import TopK
+
+    g = torch.Generator().manual_seed(0)
+    full_size, ids = 40, torch.tensor([0, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37])
+    vocab = SubVocab(ids, full_size)
+    target = torch.randn(6, full_size, generator=g, dtype=torch.float64) * 3
+    draft = torch.randn(6, len(ids), generator=g, dtype=torch.float64, requires_grad=True)
+    out = type("O", (), {"logits": [draft], "labels": torch.full((6,), -100)})()
+    temp = 2.0
+    dense, _ = soft_loss(out, [1.0], kd=[target[:, ids]], kd_weight=1.0, temperature=temp)
+    top = target.topk(full_size, -1)  # k = the whole vocabulary: the full KD
+    cached, _ = soft_loss(out, [1.0], kd=[TopK.of(top.values, top.indices, vocab)], kd_weight=1.0, temperature=temp)
+    torch.testing.assert_close(cached, dense)
+    top = target.topk(8, -1)
+    got, _ = soft_loss(out, [1.0], kd=[TopK.of(top.values, top.indices, vocab)], kd_weight=1.0, temperature=temp)
+    logq = torch.log_softmax(draft / temp, -1)
+    want = 0.0
+    for n in range(6):
+        keep = [int(i) for i in top.indices[n] if int(i) in ids.tolist()]  # top-8 ids that the draft can propose
+        logp = torch.log_softmax(target[n, keep] / temp, -1)
+        want = want + (logp.exp() * (logp - logq[n, [ids.tolist().index(i) for i in keep]])).sum()
+    torch.testing.assert_close(got, want / 6 * temp**2)
+    # A position none of whose top-k ids is in the draft vocabulary adds nothing (and no NaN gradient).
+    none = TopK.of(torch.randn(1, 2, dtype=torch.float64), torch.tensor([[1, 4]]), vocab)
+    assert float(none.kl(logq[:1].detach(), temp)) == 0.0
+    got.backward()
+    assert torch.isfinite(draft.grad).all()
+
+
+def test_kd_cache_replaces_the_target_forward(tmp_path, tiny_llama_dir):
+    """Training from the cache matches full-logit KD (k = vocabulary), survives a partial build and is keyed to the
+    rows: a different packing is refused."""
+    from s2d_ray.train.kdcache import TopKCache, target_cache_dir
+
+    other = save_tiny_llama(tmp_path / "other", seed=1)
+    kw = dict(kd_targets=[str(tiny_llama_dir), str(other)], kd_weight=1.0, kd_temperature=2.0, vocab_size=64,
+              train_norm_head=True, steps=4)
+    dense = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
+    cache_dir = tmp_path / "cache"
+    # A build killed after two chunks: the run completes it.
+    part = TopKCache(target_cache_dir(cache_dir, str(other)), str(other), dense.rows, 320, "float32")
+    part.build(dense.kd_models[1], progress=False)
+    for p in sorted(part.directory.glob("part-*.pt"))[2:]:
+        p.unlink()
+    cached = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run2"), kd_cache=str(cache_dir), kd_topk=320,
+                          **kw))
+    assert len(cached.kd_caches) == 2
+    for step in (0, 3):
+        batch = dense.batch_at(step)
+        with torch.no_grad():
+            a, per_a = dense.loss_on(batch)
+            b, per_b = cached.loss_on(batch)
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # logits stored in float16
+    small = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run3"), kd_cache=str(tmp_path / "c8"),
+                         kd_topk=8, **kw))
+    with torch.no_grad():
+        loss8 = small.loss_on(small.batch_at(0))[0]
+    assert torch.isfinite(loss8) and not torch.isclose(loss8, dense.loss_on(dense.batch_at(0))[0].detach())
+    small.train(progress=False)
+    assert small.step == 4
+    with pytest.raises(ValueError, match="other rows"):
+        Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run4"), kd_cache=str(cache_dir), kd_topk=320,
+                     seq_len=48, **kw))
