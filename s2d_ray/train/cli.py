@@ -40,6 +40,8 @@ def _register_train(sub) -> None:
     p.add_argument("--kd-target", nargs="*", default=[], help="targets whose logits the draft also distils")
     p.add_argument("--kd-weight", type=float, default=0.0, help="weight of the KD term (0..1)")
     p.add_argument("--kd-temperature", type=float, default=1.0)
+    p.add_argument("--exit-distill", type=float, default=0.0,
+                   help="weight of distilling the deepest exit into every shallower one (the deepest detached)")
     p.add_argument("--kd-cache", default=None,
                    help="directory for the KD targets' top-k logits over the packed data: computed once (resumable), "
                         "then KD reads them instead of running the targets every step")
@@ -80,7 +82,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = SoftConfig(target=args.target, out=args.out, data=args.data, sources=args.sources, num_layers=args.layers,
                      exit_layers=args.exits, exit_weights=args.exit_weights, kd_targets=args.kd_target,
                      kd_weight=args.kd_weight, kd_temperature=args.kd_temperature,
-                     kd_cache=args.kd_cache, kd_topk=args.kd_topk,
+                     kd_cache=args.kd_cache, kd_topk=args.kd_topk, exit_distill=args.exit_distill,
                      train_norm_head=args.train_norm_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
                      weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,
@@ -90,6 +92,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError("--kd-weight > 0 needs at least one --kd-target")
     if cfg.kd_topk < 1:
         raise ValueError("--kd-topk must be >= 1")
+    if cfg.exit_distill < 0:
+        raise ValueError("--exit-distill must be >= 0")
     if cfg.exit_weights and len(cfg.exit_weights) != len(cfg.exits()):
         raise ValueError(f"--exit-weights needs one weight per exit ({len(cfg.exits())})")
     run = Run(cfg)

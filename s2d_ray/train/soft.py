@@ -48,6 +48,7 @@ class SoftConfig:
     kd_targets: list[str] = field(default_factory=list)
     kd_weight: float = 0.0
     kd_temperature: float = 1.0
+    exit_distill: float = 0.0  # weight of KL(deepest exit || each shallower exit), the deepest exit detached
     kd_cache: str | None = None  # directory of the targets' cached top-k logits (built on first use; kdcache.py)
     kd_topk: int = 32
     train_norm_head: bool = False
@@ -181,7 +182,7 @@ class Run:
             kd = ([c.lookup(batch, self.vocab) for c in self.kd_caches] if self.kd_caches
                   else [target_logits(m, batch, self.vocab) for m in self.kd_models])
         weights = self.cfg.exit_weights or [1.0] * len(exits)
-        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature)
+        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature, self.cfg.exit_distill)
 
     def train(self, progress: bool = True, until: int | None = None) -> list[dict]:
         """Train to cfg.steps (or stop early at `until`, checkpointed, as an interruption would)."""

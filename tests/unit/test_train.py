@@ -361,3 +361,28 @@ def test_kd_cache_replaces_the_target_forward(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="other rows"):
         Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run4"), kd_cache=str(cache_dir), kd_topk=320,
                      seq_len=48, **kw))
+
+
+def test_exit_distill_teaches_shallow_exits_from_the_detached_deepest():
+    g = torch.Generator().manual_seed(0)
+    shallow = torch.randn(5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    deep = torch.randn(5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    out = type("O", (), {"logits": [shallow, deep], "labels": torch.full((5,), -100)})()  # no CE: only the new term
+    loss, per_exit = soft_loss(out, [1.0, 1.0], exit_distill=0.5, temperature=2.0)
+    p, logq = torch.softmax(deep / 2, -1), torch.log_softmax(shallow / 2, -1)
+    want = 0.5 * 4 * (p * (p.log() - logq)).sum(-1).mean()
+    torch.testing.assert_close(loss, (want / 2).float())  # soft_loss computes in float32
+    assert per_exit[1] == 0.0
+    loss.backward()
+    assert deep.grad.abs().max() == 0 and shallow.grad.abs().max() > 0  # the deepest exit is the teacher only
+    same = type("O", (), {"logits": [deep, deep], "labels": torch.full((5,), -100)})()
+    assert float(soft_loss(same, [1.0, 1.0], exit_distill=1.0)[0].detach()) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_exit_distill_reaches_the_trainer(tmp_path, tiny_llama_dir):
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, exit_distill=1.0, exit_weights=[2.0, 1.0], steps=2))
+    with torch.no_grad():
+        with_term = run.loss_on(run.batch_at(0))
+        run.cfg.exit_distill = 0.0
+        without = run.loss_on(run.batch_at(0))
+    assert with_term[1][0] > without[1][0] and with_term[1][1] == without[1][1]
