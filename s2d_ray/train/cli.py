@@ -57,7 +57,9 @@ def _register_train(sub) -> None:
     p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--val-examples", type=int, default=48)
-    p.add_argument("--onpath-data", default=None, help="self-distilled held-out rows for on-path agreement")
+    p.add_argument("--onpath-data", nargs="+", default=None,
+                   help="self-distilled held-out rows for on-path agreement, one file per target (the first is the "
+                        "curve's; all are reported)")
     p.add_argument("--limit-examples", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -67,6 +69,11 @@ def _register_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--export-only", action="store_true", help="write --save from the checkpoint in --out; no training")
     p.set_defaults(func=run_train)
+
+
+def _one_or_list(values: list[str] | None) -> str | list[str] | None:
+    """One file stays a string, as configs (and checkpoints) from before several files were allowed store it."""
+    return values[0] if values and len(values) == 1 else values
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -86,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
                      train_norm_head=args.train_norm_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
                      weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,
-                     val_examples=args.val_examples, onpath_data=args.onpath_data, seed=args.seed,
+                     val_examples=args.val_examples, onpath_data=_one_or_list(args.onpath_data), seed=args.seed,
                      threads=args.threads, limit_examples=args.limit_examples, init=args.init)
     if cfg.kd_weight > 0 and not cfg.kd_targets:
         raise ValueError("--kd-weight > 0 needs at least one --kd-target")

@@ -64,7 +64,7 @@ class SoftConfig:
     val_every: int = 100
     ckpt_every: int = 50
     val_examples: int = 48
-    onpath_data: str | None = None  # self-distilled held-out rows (target's own greedy responses)
+    onpath_data: str | list[str] | None = None  # held-out greedy responses, one file per target (first: the curve)
     seed: int = 0
     threads: int | None = None
     dtype: str = "float32"

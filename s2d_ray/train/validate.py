@@ -135,9 +135,10 @@ class Validator:
         # Relabel held-out text with the target's greedy next token (what the draft must agree with).
         full = SubVocab(None, run.vocab.full_size)
         self.text_labels = [target_logits(run.target.model, r, full).argmax(-1) for r in self.text_rows]
-        self.path_rows = []
-        if cfg.onpath_data and Path(cfg.onpath_data).exists():
-            self.path_rows = pack(load_examples([Path(cfg.onpath_data)], tok, "heldout", cfg.val_examples), 1024)
+        # One or several targets' held-out greedy paths (a str: one file, as older configs store it).
+        files = [cfg.onpath_data] if isinstance(cfg.onpath_data, str) else list(cfg.onpath_data or [])
+        self.path_sets = {Path(f).stem: pack(load_examples([Path(f)], tok, "heldout", cfg.val_examples), 1024)
+                          for f in files if Path(f).exists()}
 
     def run(self) -> dict:
         r = self.owner
@@ -150,7 +151,10 @@ class Validator:
             preds = path_predictions(r.draft.parts, r.draft.layers, self.text_rows, exits, r.vocab, head,
                                      labels_from=lambda row: next(labels))
             out["teacher_forced"] = summarize(preds, exits, thresholds)
-        if self.path_rows:
-            preds = path_predictions(r.draft.parts, r.draft.layers, self.path_rows, exits, r.vocab, head)
-            out["on_path"] = summarize(preds, exits, thresholds)
+        by_file = {name: summarize(path_predictions(r.draft.parts, r.draft.layers, rows, exits, r.vocab, head),
+                                   exits, thresholds) for name, rows in self.path_sets.items() if rows}
+        if by_file:
+            out["on_path"] = next(iter(by_file.values()))  # the first file: the curve's series
+        if len(by_file) > 1:
+            out["on_path_by_file"] = by_file
         return out

@@ -229,6 +229,10 @@ def test_calibrate_cli_writes_a_profile_the_engine_reads(tmp_path, tiny_llama_di
     profile = json.loads(out.read_text())
     assert profile["exit_layers"] == [1, 2] and len(profile["thresholds"]) == 2 and profile["thresholds"][-1] == 0.0
     assert profile["policy"] in ("fixed", "heuristic") and profile["calibration_set"]["responses"] >= 1
+    hits = profile["on_path"]["topk_hit"]  # what a tree can accept, per exit: top-1..4
+    assert set(hits) == {"1", "2"} and all(len(h) == 4 and h[0] == profile["on_path"]["agree"][e]
+                                           for e, h in hits.items())
+    assert len(profile["on_path"]["s2d_topk_hit"]) == 4
     cfg = EngineConfig(target=TargetConfig(name=str(tiny_llama_dir), calibration=str(out)),
                        draft=DraftConfig(source=draft), num_threads=1)
     assert build_engine(cfg).draft.spec.thresholds == profile["thresholds"]
@@ -386,3 +390,25 @@ def test_exit_distill_reaches_the_trainer(tmp_path, tiny_llama_dir):
         run.cfg.exit_distill = 0.0
         without = run.loss_on(run.batch_at(0))
     assert with_term[1][0] > without[1][0] and with_term[1][1] == without[1][1]
+
+
+def test_validation_reports_every_targets_held_out_paths(tmp_path, tiny_llama_dir):
+    from s2d_ray.train.data import read_rows
+    from s2d_ray.train.selfdistill import generate_responses, pick_rows
+
+    other = save_tiny_llama(tmp_path / "other", seed=1)
+    rows = pick_rows(write_rows(tmp_path / "d.jsonl"), None, 0, "heldout")
+    files = []
+    for name, target in (("paths_a", tiny_llama_dir), ("paths_b", other)):
+        files.append(tmp_path / f"{name}.jsonl")
+        generate_responses(str(target), rows, files[-1], max_new_tokens=6)
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, onpath_data=[str(f) for f in files], steps=1, val_examples=50))
+    out = run.validator.run()
+    assert set(out["on_path_by_file"]) == {"paths_a", "paths_b"} and out["on_path"] == out["on_path_by_file"]["paths_a"]
+    for f in files:
+        want = sum(len(r["response_ids"]) for r in read_rows(f))
+        got = out["on_path_by_file"][f.stem]
+        assert got["tokens"] == want and len(got["topk_hit"]["2"]) == 4
+    single = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "one"), onpath_data=str(files[1]), steps=1,
+                          val_examples=50))
+    assert single.validator.run()["on_path"] == out["on_path_by_file"]["paths_b"]
