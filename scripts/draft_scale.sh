@@ -5,8 +5,10 @@
 # machine (setsid nice -n 19 ..., pid appended to /tmp/s2d-train.pids so benchmarks can pause it).
 #   scripts/draft_scale.sh RUN_DIR [gen|heldout|train|all]      (default: all, in that order)
 # Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (9000: about one epoch of the
-# ~2.8M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16).
+# ~2.8M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), PIDFILE (append this script's pid: started
+# with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as /work/notes/quiet.sh does).
 set -euo pipefail
+[[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
 cd "$(dirname "$0")/.."
 run=${1:?RUN_DIR}; what=${2:-all}
 py=${PYTHON:-/work/main/.venv/bin/python}
