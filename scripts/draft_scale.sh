@@ -5,7 +5,7 @@
 # machine (setsid nice -n 19 ..., pid appended to /tmp/s2d-train.pids so benchmarks can pause it).
 #   scripts/draft_scale.sh RUN_DIR [gen|heldout|train|all]      (default: all, in that order)
 # Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (9000: about one epoch of the
-# ~2.8M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
+# ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
 # instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6), PIDFILE (append this script's pid: started
 # with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as /work/notes/quiet.sh does).
