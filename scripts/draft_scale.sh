@@ -4,7 +4,7 @@
 # SAME command; finished chunks / cache parts / checkpoints are kept. Run it as a background job on a shared
 # machine (setsid nice -n 19 ..., pid appended to /tmp/s2d-train.pids so benchmarks can pause it).
 #   scripts/draft_scale.sh RUN_DIR [gen|heldout|train|all]      (default: all, in that order)
-# Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (9000: about one epoch of the
+# Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (10000: about one epoch of the
 # ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
 # instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6), PIDFILE (append this script's pid: started
@@ -39,7 +39,7 @@ if [[ $what == train || $what == all ]]; then
   s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$run/drafts/stage5" \
     --data "$run/sd-multi" "${from[@]}" --layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}" \
     --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
-    --kd-cache "$run/kdcache" --kd-topk 32 --seq-len 256 --batch-size 2 --steps "${STEPS:-9000}" --lr 3e-4 \
+    --kd-cache "$run/kdcache" --kd-topk 32 --seq-len 256 --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 \
     --warmup 0.02 --val-every 500 --ckpt-every 25 --val-examples 47 --seed 5 --threads "$threads" --no-progress \
     --onpath-data "${paths[@]}" "${resume[@]}"
 fi
