@@ -46,6 +46,9 @@ def _register_train(sub) -> None:
                    help="directory for the KD targets' top-k logits over the packed data: computed once (resumable), "
                         "then KD reads them instead of running the targets every step")
     p.add_argument("--kd-topk", type=int, default=32, help="logits kept per position in --kd-cache")
+    p.add_argument("--kd-cache-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="run the targets in this dtype to build --kd-cache (bfloat16: ~2x faster on CPUs with "
+                        "AVX512-BF16; default: the training dtype)")
     p.add_argument("--train-norm-head", action="store_true", help="also train an own copy of norm and LM head")
     p.add_argument("--vocab-size", type=int, default=0, help="reduced draft vocabulary (0 = full)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -90,6 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
                      exit_layers=args.exits, exit_weights=args.exit_weights, kd_targets=args.kd_target,
                      kd_weight=args.kd_weight, kd_temperature=args.kd_temperature,
                      kd_cache=args.kd_cache, kd_topk=args.kd_topk, exit_distill=args.exit_distill,
+                     kd_cache_dtype=args.kd_cache_dtype,
                      train_norm_head=args.train_norm_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
                      weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,

@@ -57,8 +57,8 @@ class TopKCache:
     def _chunks(self) -> range:
         return range(0, -(-len(self.rows) // self.chunk_rows))
 
-    def build(self, model: torch.nn.Module, progress: bool = True) -> int:
-        """Compute the missing chunks with the target's forward; returns how many were computed."""
+    def missing(self) -> list[int]:
+        """Chunks not written yet (all of them for a new cache); refuses a cache of other rows or settings."""
         self.directory.mkdir(parents=True, exist_ok=True)
         meta_path = self.directory / META
         if meta_path.exists():
@@ -68,9 +68,13 @@ class TopKCache:
                                  "use another --kd-cache directory")
         else:
             meta_path.write_text(json.dumps(self.meta, indent=2))
+        return [c for c in self._chunks() if not self._part(c).exists()]
+
+    def build(self, model: torch.nn.Module, progress: bool = True) -> int:
+        """Compute the missing chunks with the target's forward; returns how many were computed."""
         if model.config.vocab_size > 2 * ID_OFFSET:
             raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
-        todo = [c for c in self._chunks() if not self._part(c).exists()]
+        todo = self.missing()
         full = SubVocab(None, model.config.vocab_size)
         for c in tqdm(todo, desc=f"KD cache {self.meta['target']}", disable=not progress or not todo):
             rows = self.rows[c * self.chunk_rows : (c + 1) * self.chunk_rows]
@@ -87,6 +91,8 @@ class TopKCache:
         return len(todo)
 
     def load(self) -> "TopKCache":
+        if self.missing():
+            raise ValueError(f"KD cache {self.directory} is incomplete; build it first")
         parts = [torch.load(self._part(c)) for c in self._chunks()]
         self.values = torch.cat([p["values"] for p in parts])
         self.ids = torch.cat([p["ids"] for p in parts])

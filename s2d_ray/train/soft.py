@@ -51,6 +51,7 @@ class SoftConfig:
     exit_distill: float = 0.0  # weight of KL(deepest exit || each shallower exit), the deepest exit detached
     kd_cache: str | None = None  # directory of the targets' cached top-k logits (built on first use; kdcache.py)
     kd_topk: int = 32
+    kd_cache_dtype: str | None = None  # the targets' dtype while building the cache (None: `dtype`)
     train_norm_head: bool = False
     vocab_size: int = 0  # 0: full vocabulary; else the most frequent label tokens of the training data
     seq_len: int = 256
@@ -111,11 +112,14 @@ class Run:
         cfg = self.cfg
         if not cfg.kd_cache or cfg.kd_weight <= 0:
             return []
+        dtype = cfg.kd_cache_dtype or cfg.dtype
         caches = []
         for name, model in zip(cfg.kd_targets, self.kd_models):
-            cache = TopKCache(target_cache_dir(Path(cfg.kd_cache), name), name, self.rows, cfg.kd_topk, cfg.dtype)
-            started = time.perf_counter()
-            if cache.build(model):
+            cache = TopKCache(target_cache_dir(Path(cfg.kd_cache), name), name, self.rows, cfg.kd_topk, dtype)
+            if cache.missing():
+                started = time.perf_counter()
+                builder = model if dtype == cfg.dtype else load_model(name, dtype=getattr(torch, dtype)).model
+                cache.build(builder)
                 logger.info("KD cache for %s built in %.0f s", name, time.perf_counter() - started)
             caches.append(cache.load())
         return caches

@@ -412,3 +412,19 @@ def test_validation_reports_every_targets_held_out_paths(tmp_path, tiny_llama_di
     single = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "one"), onpath_data=str(files[1]), steps=1,
                           val_examples=50))
     assert single.validator.run()["on_path"] == out["on_path_by_file"]["paths_b"]
+
+
+def test_kd_cache_built_in_bfloat16_is_close_and_kept_apart(tmp_path, tiny_llama_dir):
+    kw = dict(kd_targets=[str(tiny_llama_dir)], kd_weight=1.0, vocab_size=64, steps=2, kd_topk=320)
+    fp32 = Run(tiny_cfg(tmp_path, tiny_llama_dir, kd_cache=str(tmp_path / "c32"), **kw))
+    bf16 = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "r16"), kd_cache=str(tmp_path / "c16"),
+                        kd_cache_dtype="bfloat16", **kw))
+    meta = json.loads(next((tmp_path / "c16").glob("*/kdcache.json")).read_text())
+    assert meta["dtype"] == "bfloat16"
+    assert not torch.equal(bf16.kd_caches[0].values, fp32.kd_caches[0].values)  # really built in bf16
+    with torch.no_grad():
+        a, b = fp32.loss_on(fp32.batch_at(0))[0], bf16.loss_on(bf16.batch_at(0))[0]
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="other rows or settings"):
+        Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "r3"), kd_cache=str(tmp_path / "c32"),
+                     kd_cache_dtype="bfloat16", **kw))
