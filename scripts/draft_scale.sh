@@ -7,8 +7,10 @@
 # Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (10000: about one epoch of the
 # ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
-# instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6), PIDFILE (append this script's pid: started
-# with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as /work/notes/quiet.sh does).
+# instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6),
+# KD_CACHE_DTYPE (bfloat16: builds the cache ~2x faster, the generated paths' dtype), PIDFILE (append this
+# script's pid: started with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as
+# /work/notes/quiet.sh does).
 # Dry run with tiny random models (seconds): see docs/TRAINING.md, "Scaling up".
 set -euo pipefail
 [[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
@@ -39,7 +41,8 @@ if [[ $what == train || $what == all ]]; then
   s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$run/drafts/stage5" \
     --data "$run/sd-multi" "${from[@]}" --layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}" \
     --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
-    --kd-cache "$run/kdcache" --kd-topk 32 --seq-len 256 --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 \
+    --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-bfloat16}" --kd-topk 32 --seq-len 256 \
+    --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 \
     --warmup 0.02 --val-every 500 --ckpt-every 25 --val-examples 47 --seed 5 --threads "$threads" --no-progress \
     --onpath-data "${paths[@]}" "${resume[@]}"
 fi
