@@ -123,5 +123,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
                "top5": [{**r, "speedup": round(r["speedup"], 4), "mat": round(r["mat"], 4)} for r in ranked[:5]]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))
-    print(json.dumps({k: profile[k] for k in ("exit_layers", "thresholds", "policy", "k", "modelled")}))
+    print(json.dumps({**{k: profile[k] for k in ("exit_layers", "thresholds", "policy", "k", "modelled")},
+                      "topk_hit": profile["on_path"].get("topk_hit")}))
     return 0

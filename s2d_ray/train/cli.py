@@ -40,6 +40,15 @@ def _register_train(sub) -> None:
     p.add_argument("--kd-target", nargs="*", default=[], help="targets whose logits the draft also distils")
     p.add_argument("--kd-weight", type=float, default=0.0, help="weight of the KD term (0..1)")
     p.add_argument("--kd-temperature", type=float, default=1.0)
+    p.add_argument("--exit-distill", type=float, default=0.0,
+                   help="weight of distilling the deepest exit into every shallower one (the deepest detached)")
+    p.add_argument("--kd-cache", default=None,
+                   help="directory for the KD targets' top-k logits over the packed data: computed once (resumable), "
+                        "then KD reads them instead of running the targets every step")
+    p.add_argument("--kd-topk", type=int, default=32, help="logits kept per position in --kd-cache")
+    p.add_argument("--kd-cache-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="run the targets in this dtype to build --kd-cache (bfloat16: ~2x faster on CPUs with "
+                        "AVX512-BF16; default: the training dtype)")
     p.add_argument("--train-norm-head", action="store_true", help="also train an own copy of norm and LM head")
     p.add_argument("--vocab-size", type=int, default=0, help="reduced draft vocabulary (0 = full)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -51,7 +60,9 @@ def _register_train(sub) -> None:
     p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--val-examples", type=int, default=48)
-    p.add_argument("--onpath-data", default=None, help="self-distilled held-out rows for on-path agreement")
+    p.add_argument("--onpath-data", nargs="+", default=None,
+                   help="self-distilled held-out rows for on-path agreement, one file per target (the first is the "
+                        "curve's; all are reported)")
     p.add_argument("--limit-examples", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
@@ -61,6 +72,11 @@ def _register_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--export-only", action="store_true", help="write --save from the checkpoint in --out; no training")
     p.set_defaults(func=run_train)
+
+
+def _one_or_list(values: list[str] | None) -> str | list[str] | None:
+    """One file stays a string, as configs (and checkpoints) from before several files were allowed store it."""
+    return values[0] if values and len(values) == 1 else values
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -76,13 +92,19 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = SoftConfig(target=args.target, out=args.out, data=args.data, sources=args.sources, num_layers=args.layers,
                      exit_layers=args.exits, exit_weights=args.exit_weights, kd_targets=args.kd_target,
                      kd_weight=args.kd_weight, kd_temperature=args.kd_temperature,
+                     kd_cache=args.kd_cache, kd_topk=args.kd_topk, exit_distill=args.exit_distill,
+                     kd_cache_dtype=args.kd_cache_dtype,
                      train_norm_head=args.train_norm_head, vocab_size=args.vocab_size, seq_len=args.seq_len,
                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
                      weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,
-                     val_examples=args.val_examples, onpath_data=args.onpath_data, seed=args.seed,
+                     val_examples=args.val_examples, onpath_data=_one_or_list(args.onpath_data), seed=args.seed,
                      threads=args.threads, limit_examples=args.limit_examples, init=args.init)
     if cfg.kd_weight > 0 and not cfg.kd_targets:
         raise ValueError("--kd-weight > 0 needs at least one --kd-target")
+    if cfg.kd_topk < 1:
+        raise ValueError("--kd-topk must be >= 1")
+    if cfg.exit_distill < 0:
+        raise ValueError("--exit-distill must be >= 0")
     if cfg.exit_weights and len(cfg.exit_weights) != len(cfg.exits()):
         raise ValueError(f"--exit-weights needs one weight per exit ({len(cfg.exits())})")
     run = Run(cfg)
@@ -99,33 +121,48 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _register_selfdistill(sub) -> None:
-    p = sub.add_parser("self-distill", help="generate the target's own greedy responses to training instructions")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p = sub.add_parser("self-distill", help="generate the targets' own greedy responses to training instructions")
+    p.add_argument("--target", nargs="+", default=[DEFAULT_TARGET],
+                   help="one or more targets; several need a directory --out (chunks go round-robin over them)")
     p.add_argument("--data", default=DEFAULT_DATA)
-    p.add_argument("--out", required=True, help="JSONL to append to (resumable)")
+    p.add_argument("--out", required=True,
+                   help="a .jsonl file to append to (one target), or a directory of gzip chunks; both resumable")
     p.add_argument("--split", choices=["train", "heldout"], default="train")
-    p.add_argument("--num", type=int, default=1000, help="number of instructions")
+    p.add_argument("--num", type=int, default=None, help="number of instructions (default: all of the split)")
     p.add_argument("--gsm8k-fraction", type=float, default=0.25, help="share of gsm8k_train rows")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="rows per engine batch (= per chunk file)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="bfloat16 decodes a batch ~2x faster on CPUs with AVX512-BF16/AMX (and on GPUs)")
+    p.add_argument("--stop-after", type=int, default=None, help="directory mode: stop after N more chunks")
     p.set_defaults(func=run_selfdistill)
 
 
 def run_selfdistill(args: argparse.Namespace) -> int:
-    from .selfdistill import generate_responses, pick_rows
+    from .data import data_hash
+    from .selfdistill import generate_chunks, generate_responses, pick_rows
 
-    if args.num < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
+    if (args.num is not None and args.num < 1) or args.batch_size < 1 or args.max_new_tokens < 1:
         raise ValueError("--num, --batch-size and --max-new-tokens must be >= 1")
+    out = Path(args.out)
+    single = out.suffix == ".jsonl"
+    if single and len(args.target) > 1:
+        raise ValueError("several --target need a directory --out (not a .jsonl file)")
     set_threads(args.threads)
-    rows = pick_rows(Path(args.data), args.num, args.seed, args.split,
-                     {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None)
-    made = generate_responses(args.target, rows, Path(args.out), args.max_new_tokens, args.batch_size,
-                              threads=args.threads, dtype=args.dtype)
-    print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
+    fraction = {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None
+    rows = pick_rows(Path(args.data), args.num, args.seed, args.split, fraction)
+    if single:
+        made = generate_responses(args.target[0], rows, out, args.max_new_tokens, args.batch_size,
+                                  threads=args.threads, dtype=args.dtype)
+        print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
+        return 0
+    picked = {"data": Path(args.data).name, "data_sha256_16": data_hash([Path(args.data)]), "split": args.split,
+              "num": args.num, "gsm8k_fraction": args.gsm8k_fraction, "seed": args.seed}
+    info = generate_chunks(args.target, rows, out, picked, args.max_new_tokens, args.batch_size, threads=args.threads,
+                           dtype=args.dtype, stop_after=args.stop_after)
+    print(json.dumps({"rows": len(rows), **info, "out": args.out}))
     return 0
 
 

@@ -8,6 +8,7 @@ hash of the instruction, so it never changes with the seed or the file order.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -35,12 +36,23 @@ def row_key(row: dict) -> str:
     return row.get("instruction") or json.dumps(row.get("conversations", row.get("prompt_ids", "")))
 
 
-def read_rows(path: Path) -> Iterator[dict]:
-    """JSONL rows, or a JSON list (ShareGPT dumps); each gets an `id` if it has none."""
+def data_files(path: Path) -> list[Path]:
+    """A data file, or a self-distilled directory's chunk files in order (see selfdistill.py)."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"training data {path} does not exist")
-    text = path.read_text()
+    return sorted(path.glob("chunk-*.jsonl.gz")) if path.is_dir() else [path]
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    """JSONL rows (plain or .gz), a JSON list (ShareGPT dumps) or a chunk directory; each gets an `id` if none."""
+    path = Path(path)
+    files = data_files(path)
+    if path.is_dir():
+        for f in files:
+            yield from read_rows(f)
+        return
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     if text.lstrip().startswith("["):
         rows = json.loads(text)
     else:
@@ -52,8 +64,8 @@ def read_rows(path: Path) -> Iterator[dict]:
 
 def data_hash(paths: list[Path]) -> str:
     digest = hashlib.sha256()
-    for p in paths:
-        digest.update(Path(p).read_bytes())
+    for f in (f for p in paths for f in data_files(p)):
+        digest.update(f.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -104,12 +116,14 @@ def render_example(tok, row: dict) -> tuple[list[int], list[bool]]:
 
 @dataclass
 class Packed:
-    """One batch: ids [B, S], labels [B, S] (-100 = no loss), positions [B, S], doc [B, S] (document index)."""
+    """One batch: ids [B, S], labels [B, S] (-100 = no loss), positions [B, S], doc [B, S] (document index);
+    row [B]: each row's index in the packed list (what a KD cache is keyed by)."""
 
     ids: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
     doc: torch.Tensor
+    row: torch.Tensor | None = None
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """Additive [B, 1, S, S] mask: causal within each packed document, nothing across documents."""
@@ -141,8 +155,13 @@ def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int) -> list[Pac
         labels = [x[4] if x[1] else -100 for x in r] + [-100] * pad
         pos = [x[2] for x in r] + list(range(pad))
         doc = [x[3] for x in r] + [-1] * pad
-        out.append(Packed(*(torch.tensor([v]) for v in (ids, labels, pos, doc))))
+        out.append(Packed(*(torch.tensor([v]) for v in (ids, labels, pos, doc, len(out)))))
     return out
+
+
+def stack_rows(rows: list[Packed]) -> Packed:
+    """Packed rows stacked into one batch (row indices kept)."""
+    return Packed(*(torch.cat([getattr(p, f) for p in rows]) for f in ("ids", "labels", "positions", "doc", "row")))
 
 
 def batches(rows: list[Packed], batch_size: int, seed: int, epoch: int) -> list[Packed]:
@@ -152,7 +171,7 @@ def batches(rows: list[Packed], batch_size: int, seed: int, epoch: int) -> list[
     out = []
     for s in range(0, len(order) - batch_size + 1, batch_size):
         pick = [rows[i] for i in order[s : s + batch_size]]
-        out.append(Packed(*(torch.cat([getattr(p, f) for p in pick]) for f in ("ids", "labels", "positions", "doc"))))
+        out.append(stack_rows(pick))
     return out
 
 

@@ -79,18 +79,53 @@ def target_logits(model: nn.Module, batch: Packed, vocab: SubVocab) -> torch.Ten
     return F.linear(h, vocab.head_weight(parts.head)).float()
 
 
-def soft_loss(out: ExitOut, weights: list[float], kd: list[torch.Tensor] | None = None, kd_weight: float = 0.0,
-              temperature: float = 1.0) -> tuple[torch.Tensor, list[float]]:
-    """SoFT: weighted mean over exits of CE (and, with kd, the KL to each target's tempered distribution)."""
+@dataclass
+class TopK:
+    """A target's k largest logits per position (values [N, k]; index [N, k] into the draft's vocabulary; valid
+    [N, k]: the id is in that vocabulary). KD from it renormalises the target over the valid ids (kdcache.py)."""
+
+    values: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def of(cls, values: torch.Tensor, full_ids: torch.Tensor, vocab: SubVocab) -> "TopK":
+        index = vocab.map_labels(full_ids)
+        valid = index >= 0
+        return cls(values, index.clamp(min=0), valid)
+
+    def kl(self, logq: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Mean over positions of KL(target restricted to its valid top-k || draft), logq: the draft's log-probs."""
+        # A finite fill, not -inf: a position with no valid id must give 0, not NaN (in the loss and its gradient).
+        logp = torch.log_softmax((self.values / temperature).masked_fill(~self.valid, -1e4), -1)
+        terms = logp.exp() * (logp - logq.gather(-1, self.index))
+        return terms.masked_fill(~self.valid, 0.0).sum() / max(len(self.values), 1)
+
+
+def kd_divergence(logq: torch.Tensor, target: torch.Tensor | TopK, temperature: float) -> torch.Tensor:
+    """KL(target_T || draft_T) averaged over positions, from full logits [N, V'] or a cached top-k."""
+    if isinstance(target, TopK):
+        return target.kl(logq, temperature)
+    return F.kl_div(logq, F.log_softmax(target / temperature, -1), log_target=True, reduction="batchmean")
+
+
+def soft_loss(out: ExitOut, weights: list[float], kd: list[torch.Tensor | TopK] | None = None, kd_weight: float = 0.0,
+              temperature: float = 1.0, exit_distill: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """SoFT: weighted mean over exits of CE (and, with kd, the KL to each target's tempered distribution: full
+    logits, or a cached top-k). exit_distill > 0 adds, at every shallower exit, that weight times the KL from the
+    deepest exit's distribution (detached: the deepest exit is the teacher, not pulled towards the shallow ones)."""
     total, per_exit = 0.0, []
-    for w, logits in zip(weights, out.logits):
+    deepest = out.logits[-1].detach().float() if exit_distill > 0 else None
+    for i, (w, logits) in enumerate(zip(weights, out.logits)):
         valid = int((out.labels != -100).sum())  # labels outside a reduced vocabulary carry no CE
         loss = F.cross_entropy(logits.float(), out.labels, ignore_index=-100, reduction="sum") / max(valid, 1)
         if kd and kd_weight > 0:
             logq = F.log_softmax(logits.float() / temperature, -1)
-            kl = sum(F.kl_div(logq, F.log_softmax(t / temperature, -1), log_target=True, reduction="batchmean")
-                     for t in kd) / len(kd)
+            kl = sum(kd_divergence(logq, t, temperature) for t in kd) / len(kd)
             loss = (1 - kd_weight) * loss + kd_weight * kl * temperature**2
+        if deepest is not None and i < len(out.logits) - 1:
+            logq = F.log_softmax(logits.float() / temperature, -1)
+            loss = loss + exit_distill * kd_divergence(logq, deepest, temperature) * temperature**2
         total = total + w * loss
         per_exit.append(float(loss.detach()))
     return total / sum(weights), per_exit

@@ -1,13 +1,22 @@
-"""Self-distillation data: the target's own greedy responses, generated in batches with the one engine (`ar` mode).
+"""Self-distillation data: the targets' own greedy responses, generated in batches with the one engine (`ar` mode).
 
 Speculation is judged along the target's own greedy path, so that path is the best training text for a draft
 (EAGLE and Medusa-2 do the same). Rows keep the exact token ids, so no re-tokenisation drift enters the labels.
+
+Two layouts: one JSONL file for one target (small sets, e.g. held-out paths), or a directory of gzip-compressed
+chunks for a LIST of targets (the training set): chunk c holds the responses of target c mod n to instructions
+c*B..(c+1)*B-1 of a seeded order, written atomically, so a killed run loses at most the chunk in flight and the same
+command continues it; the bytes of a chunk depend only on its rows, target and settings (gzip mtime 0).
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import logging
+import os
+import random
 import time
 from pathlib import Path
 
@@ -20,12 +29,12 @@ from ..core.types import SamplingParams
 from .data import is_heldout, read_rows, render_prompt, row_key
 
 logger = logging.getLogger(__name__)
+CHUNK_GLOB = "chunk-*.jsonl.gz"
+SPEC_FILE = "selfdistill.json"
 
 
-def pick_rows(path: Path, n: int, seed: int, split: str, sources: dict[str, float] | None = None) -> list[dict]:
-    """n instruction rows of one split (train/heldout), one per distinct instruction, shuffled by seed."""
-    import random
-
+def pick_rows(path: Path, n: int | None, seed: int, split: str, sources: dict[str, float] | None = None) -> list[dict]:
+    """n instruction rows of one split (train/heldout), one per distinct instruction, shuffled by seed (None: all)."""
     rows, seen = [], set()
     for row in read_rows(path):
         key = row_key(row)
@@ -35,6 +44,7 @@ def pick_rows(path: Path, n: int, seed: int, split: str, sources: dict[str, floa
         rows.append(row)
     rng = random.Random(seed)
     rng.shuffle(rows)
+    n = len(rows) if n is None else n
     if sources:  # weighted pick by source prefix, e.g. {"gsm8k_train": 0.25}
         picked = []
         for prefix, frac in sources.items():
@@ -46,6 +56,29 @@ def pick_rows(path: Path, n: int, seed: int, split: str, sources: dict[str, floa
     return rows[:n]
 
 
+class Responder:
+    """One target's engine (`ar`, greedy): instruction rows -> self-distilled rows (prompts too long are skipped)."""
+
+    def __init__(self, target: str, threads: int | None = None, dtype: str = "float32", max_new_tokens: int = 256,
+                 max_prompt: int = 384) -> None:
+        cfg = EngineConfig(target=TargetConfig(name=target, dtype=dtype), spec=SpecConfig(mode="ar"),
+                           num_threads=threads)
+        self.built = build_engine(cfg)
+        self.target, self.max_new_tokens, self.max_prompt = target, max_new_tokens, max_prompt
+        tok = self.built.target.tokenizer
+        self.tok, self.eos = tok, tuple(i for i in {tok.eos_token_id} if i is not None)
+
+    def respond(self, rows: list[dict]) -> list[dict]:
+        prompts = [render_prompt(self.tok, r) for r in rows]
+        keep = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt]  # long prompts: skipped, not cut
+        rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+        reqs = [GenerationRequest(r["id"], p, self.max_new_tokens, SamplingParams(), self.eos)
+                for r, p in zip(rows, prompts)]
+        return [{"id": r["id"], "source": r.get("source", ""), "split_key": row_key(r), "target": self.target,
+                 "prompt_ids": p, "response_ids": res.token_ids, "finish_reason": res.finish_reason}
+                for r, p, res in zip(rows, prompts, self.built.engine.generate(reqs))]
+
+
 def generate_responses(target: str, rows: list[dict], out: Path, max_new_tokens: int = 256, batch: int = 32,
                        max_prompt: int = 384, threads: int | None = None, dtype: str = "float32") -> int:
     """Append {id, source, prompt_ids, response_ids, finish_reason} per row to `out` (resumable: skips done ids)."""
@@ -53,28 +86,74 @@ def generate_responses(target: str, rows: list[dict], out: Path, max_new_tokens:
     if out.exists():
         done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip()}
     todo = [r for r in rows if r["id"] not in done]
-    cfg = EngineConfig(target=TargetConfig(name=target, dtype=dtype), spec=SpecConfig(mode="ar"), num_threads=threads)
-    built = build_engine(cfg)
-    tok = built.target.tokenizer
-    eos = tuple(i for i in {tok.eos_token_id} if i is not None)
+    responder = Responder(target, threads, dtype, max_new_tokens, max_prompt)
     out.parent.mkdir(parents=True, exist_ok=True)
     made, started = 0, time.perf_counter()
     bar = tqdm(total=len(todo), desc="self-distill", unit="resp")
     with open(out, "a") as fh:
         for s in range(0, len(todo), batch):
             chunk = todo[s : s + batch]
-            prompts = [render_prompt(tok, r) for r in chunk]
-            keep = [i for i, p in enumerate(prompts) if len(p) <= max_prompt]  # long prompts: skipped, not cut
-            chunk, prompts = [chunk[i] for i in keep], [prompts[i] for i in keep]
-            reqs = [GenerationRequest(r["id"], p, max_new_tokens, SamplingParams(), eos)
-                    for r, p in zip(chunk, prompts)]
-            for r, p, res in zip(chunk, prompts, built.engine.generate(reqs)):
-                fh.write(json.dumps({"id": r["id"], "source": r.get("source", ""), "split_key": row_key(r),
-                                     "prompt_ids": p, "response_ids": res.token_ids,
-                                     "finish_reason": res.finish_reason}) + "\n")
-                made += len(res.token_ids)
+            for row in responder.respond(chunk):
+                fh.write(json.dumps(row) + "\n")
+                made += len(row["response_ids"])
             fh.flush()
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{made / (time.perf_counter() - started):.0f}")
     bar.close()
     return made
+
+
+def write_chunk(path: Path, rows: list[dict]) -> None:
+    """gzip JSONL, written to a temporary name and renamed: a chunk file is complete or absent (kill -9 safe)."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz:  # no name/time: same rows, same bytes
+        gz.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def chunk_plan(num_rows: int, targets: list[str], batch: int) -> list[tuple[int, str, slice]]:
+    """(chunk index, target, row slice): chunks go round-robin over the targets, so any prefix is balanced."""
+    return [(c, targets[c % len(targets)], slice(s, s + batch))
+            for c, s in enumerate(range(0, num_rows, batch))]
+
+
+def generate_chunks(targets: list[str], rows: list[dict], out_dir: Path, settings: dict, max_new_tokens: int = 256,
+                    batch: int = 32, max_prompt: int = 384, threads: int | None = None, dtype: str = "float32",
+                    stop_after: int | None = None) -> dict:
+    """Every target's responses as chunk files in `out_dir`; chunks already there are skipped (resume).
+
+    `settings` (what picked the rows) is stored with the generation settings in selfdistill.json; a directory
+    written with different ones is refused, so a resumed run never mixes two datasets."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = {**settings, "targets": targets, "max_new_tokens": max_new_tokens, "batch": batch,
+            "max_prompt": max_prompt, "dtype": dtype, "rows": len(rows)}
+    spec_path = out_dir / SPEC_FILE
+    if spec_path.exists():
+        old = json.loads(spec_path.read_text())
+        if old != spec:
+            raise ValueError(f"{out_dir} was generated with other settings ({old}); use another --out")
+    else:
+        spec_path.write_text(json.dumps(spec, indent=2))
+    plan = chunk_plan(len(rows), targets, batch)
+    todo = [p for p in plan if not (out_dir / f"chunk-{p[0]:06d}.jsonl.gz").exists()]
+    todo = todo[:stop_after] if stop_after is not None else todo
+    responders: dict[str, Responder] = {}
+    made, started = 0, time.perf_counter()
+    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="self-distill", unit="chunk")
+    for c, target, sl in todo:
+        if target not in responders:
+            responders[target] = Responder(target, threads, dtype, max_new_tokens, max_prompt)
+        out = responders[target].respond(rows[sl])
+        write_chunk(out_dir / f"chunk-{c:06d}.jsonl.gz", out)
+        made += sum(len(r["response_ids"]) for r in out)
+        bar.update(1)
+        rate = made / (time.perf_counter() - started)
+        bar.set_postfix(tok_s=f"{rate:.0f}")
+        logger.info("chunk %d (%s): %d rows, %d tokens this run, %.0f tok/s", c, target, len(out), made, rate)
+    bar.close()
+    done = sum((out_dir / f"chunk-{c:06d}.jsonl.gz").exists() for c, _, _ in plan)
+    return {"chunks_done": done, "chunks_total": len(plan), "generated_tokens": made}

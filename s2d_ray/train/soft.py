@@ -27,6 +27,7 @@ from ..core.draft import SortedDraft, default_exits, paper_thresholds
 from ..models import load_model
 from .data import Packed, batches, data_hash, load_examples, pack
 from .forward import SubVocab, exit_logits, soft_loss, target_logits
+from .kdcache import TopKCache, target_cache_dir
 from .validate import Validator
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class SoftConfig:
     kd_targets: list[str] = field(default_factory=list)
     kd_weight: float = 0.0
     kd_temperature: float = 1.0
+    exit_distill: float = 0.0  # weight of KL(deepest exit || each shallower exit), the deepest exit detached
+    kd_cache: str | None = None  # directory of the targets' cached top-k logits (built on first use; kdcache.py)
+    kd_topk: int = 32
+    kd_cache_dtype: str | None = None  # the targets' dtype while building the cache (None: `dtype`)
     train_norm_head: bool = False
     vocab_size: int = 0  # 0: full vocabulary; else the most frequent label tokens of the training data
     seq_len: int = 256
@@ -60,7 +65,7 @@ class SoftConfig:
     val_every: int = 100
     ckpt_every: int = 50
     val_examples: int = 48
-    onpath_data: str | None = None  # self-distilled held-out rows (target's own greedy responses)
+    onpath_data: str | list[str] | None = None  # held-out greedy responses, one file per target (first: the curve)
     seed: int = 0
     threads: int | None = None
     dtype: str = "float32"
@@ -95,11 +100,29 @@ class Run:
         self.draft, self.params = self._make_draft()
         if init is not None:
             self._load_init(init)
+        self.kd_caches = self._kd_caches()
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self.history: list[dict] = []
         self.validator = Validator(self, cfg)
+
+    def _kd_caches(self) -> list[TopKCache]:
+        """With --kd-cache, each KD target's top-k logits over these rows, computed once (resumable) and loaded."""
+        cfg = self.cfg
+        if not cfg.kd_cache or cfg.kd_weight <= 0:
+            return []
+        dtype = cfg.kd_cache_dtype or cfg.dtype
+        caches = []
+        for name, model in zip(cfg.kd_targets, self.kd_models):
+            cache = TopKCache(target_cache_dir(Path(cfg.kd_cache), name), name, self.rows, cfg.kd_topk, dtype)
+            if cache.missing():
+                started = time.perf_counter()
+                builder = model if dtype == cfg.dtype else load_model(name, dtype=getattr(torch, dtype)).model
+                cache.build(builder)
+                logger.info("KD cache for %s built in %.0f s", name, time.perf_counter() - started)
+            caches.append(cache.load())
+        return caches
 
     def _pick_vocab(self) -> torch.Tensor | None:
         if not self.cfg.vocab_size:
@@ -158,9 +181,12 @@ class Run:
     def loss_on(self, batch: Packed) -> tuple[torch.Tensor, list[float]]:
         exits = self.cfg.exits()
         out = exit_logits(self.draft.parts, self.draft.layers, batch, exits, self.vocab, self.head_rows)
-        kd = [target_logits(m, batch, self.vocab) for m in self.kd_models] if self.cfg.kd_weight > 0 else None
+        kd = None
+        if self.cfg.kd_weight > 0:
+            kd = ([c.lookup(batch, self.vocab) for c in self.kd_caches] if self.kd_caches
+                  else [target_logits(m, batch, self.vocab) for m in self.kd_models])
         weights = self.cfg.exit_weights or [1.0] * len(exits)
-        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature)
+        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature, self.cfg.exit_distill)
 
     def train(self, progress: bool = True, until: int | None = None) -> list[dict]:
         """Train to cfg.steps (or stop early at `until`, checkpointed, as an interruption would)."""
@@ -221,7 +247,10 @@ class Run:
         if not path.exists():
             return False
         ck = torch.load(path, weights_only=False)
-        if ck["cfg"] != {**asdict(self.cfg), "steps": ck["cfg"]["steps"]}:
+        # Fields added after a checkpoint was written count as equal when this run leaves them at their default.
+        defaults = asdict(SoftConfig())
+        current = {k: v for k, v in asdict(self.cfg).items() if k in ck["cfg"] or v != defaults[k]}
+        if ck["cfg"] != {**current, "steps": ck["cfg"]["steps"]}:
             raise ValueError(f"{path} was written by a different configuration; use another --out or the same flags")
         self.draft.layers.load_state_dict(ck["model"]["layers"])
         if self.head_rows is not None:

@@ -20,13 +20,18 @@ from .forward import SubVocab, exit_logits, simulate_mat, target_logits
 logger = logging.getLogger(__name__)
 
 
+TOPK = 4  # top-1..4 hit rates: what a tree of width up to 4 can accept along the path
+
+
 @dataclass
 class PathPreds:
-    """One held-out response: labels [T] (target tokens), argmax [E, T] (full ids) and confidence [E, T] per exit."""
+    """One held-out response: labels [T] (target tokens), argmax [E, T] (full ids) and confidence [E, T] per exit;
+    topk [E, T, K] the K most likely full ids per exit, best first (argmax == topk[..., 0])."""
 
     labels: torch.Tensor
     argmax: torch.Tensor
     conf: torch.Tensor
+    topk: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -41,9 +46,10 @@ def path_predictions(parts, layers, rows: list[Packed], exits: list[int], vocab:
         probs = [torch.softmax(lg.float(), -1) for lg in res.logits]
         conf = torch.stack([p.amax(-1) for p in probs])
         arg = torch.stack([vocab.to_full(p.argmax(-1)) for p in probs])
+        top = torch.stack([vocab.to_full(p.topk(min(TOPK, p.shape[-1]), -1).indices) for p in probs])
         for d in docs.unique(sorted=True).tolist():
             sel = docs == d
-            out.append(PathPreds(labels[sel], arg[:, sel], conf[:, sel]))
+            out.append(PathPreds(labels[sel], arg[:, sel], conf[:, sel], top[:, sel]))
     return out
 
 
@@ -73,14 +79,38 @@ def simulate_policy(correct: list[bool], policy: str = "fixed", k: int = 5, max_
     return (len(correct) / rounds if rounds else 0.0), rounds
 
 
+def topk_hits(preds: list[PathPreds], exit_index: int | None = None, thresholds: list[float] | None = None
+              ) -> list[float]:
+    """Top-1..K hit rates along the paths: the share of positions whose target token is among the draft's K most
+    likely, at one exit, or (exit_index None) at the exit the adaptive rule picks with `thresholds`."""
+    n = sum(len(p.labels) for p in preds)
+    hits = torch.zeros(TOPK)
+    for p in preds:
+        if exit_index is None:
+            chosen = adaptive_correct(p, thresholds)[1]
+            top = p.topk.gather(0, torch.tensor(chosen)[None, :, None].expand(1, -1, p.topk.shape[-1]))[0]
+        else:
+            top = p.topk[exit_index]
+        found = (top == p.labels[:, None]).long().cumsum(-1).clamp(max=1)  # [T, K]: hit within the first j+1
+        hits[: found.shape[-1]] += found.sum(0).float()
+        hits[found.shape[-1] :] += found[:, -1].sum().float()  # fewer than K ids in the vocabulary
+    return [float(h) / max(n, 1) for h in hits]
+
+
 def summarize(preds: list[PathPreds], exits: list[int], thresholds: list[float], k: int = 5) -> dict:
-    """Per-exit agreement and simulated MAT (fixed k) plus the adaptive draft's, over all held-out paths."""
+    """Per-exit agreement, top-1..4 hit rates and simulated MAT (fixed k), plus the adaptive draft's, over all
+    held-out paths."""
     n = sum(len(p.labels) for p in preds)
     agree = [sum(int((p.argmax[i] == p.labels).sum()) for p in preds) / max(n, 1) for i in range(len(exits))]
     mats = [_mean_mat([(p.argmax[i] == p.labels).tolist() for p in preds], k) for i in range(len(exits))]
     adaptive = [adaptive_correct(p, thresholds)[0] for p in preds]
-    return {"tokens": n, "agree": dict(zip(map(str, exits), _r(agree))), "mat_k5": dict(zip(map(str, exits), _r(mats))),
-            "s2d_agree": round(sum(map(sum, adaptive)) / max(n, 1), 4), "s2d_mat_k5": round(_mean_mat(adaptive, k), 4)}
+    out = {"tokens": n, "agree": dict(zip(map(str, exits), _r(agree))),
+           "mat_k5": dict(zip(map(str, exits), _r(mats))),
+           "s2d_agree": round(sum(map(sum, adaptive)) / max(n, 1), 4), "s2d_mat_k5": round(_mean_mat(adaptive, k), 4)}
+    if preds and all(p.topk is not None for p in preds):
+        out["topk_hit"] = {str(e): _r(topk_hits(preds, i)) for i, e in enumerate(exits)}
+        out["s2d_topk_hit"] = _r(topk_hits(preds, None, thresholds))
+    return out
 
 
 def _mean_mat(corrects: list[list[bool]], k: int) -> float:
@@ -105,9 +135,10 @@ class Validator:
         # Relabel held-out text with the target's greedy next token (what the draft must agree with).
         full = SubVocab(None, run.vocab.full_size)
         self.text_labels = [target_logits(run.target.model, r, full).argmax(-1) for r in self.text_rows]
-        self.path_rows = []
-        if cfg.onpath_data and Path(cfg.onpath_data).exists():
-            self.path_rows = pack(load_examples([Path(cfg.onpath_data)], tok, "heldout", cfg.val_examples), 1024)
+        # One or several targets' held-out greedy paths (a str: one file, as older configs store it).
+        files = [cfg.onpath_data] if isinstance(cfg.onpath_data, str) else list(cfg.onpath_data or [])
+        self.path_sets = {Path(f).stem: pack(load_examples([Path(f)], tok, "heldout", cfg.val_examples), 1024)
+                          for f in files if Path(f).exists()}
 
     def run(self) -> dict:
         r = self.owner
@@ -120,7 +151,10 @@ class Validator:
             preds = path_predictions(r.draft.parts, r.draft.layers, self.text_rows, exits, r.vocab, head,
                                      labels_from=lambda row: next(labels))
             out["teacher_forced"] = summarize(preds, exits, thresholds)
-        if self.path_rows:
-            preds = path_predictions(r.draft.parts, r.draft.layers, self.path_rows, exits, r.vocab, head)
-            out["on_path"] = summarize(preds, exits, thresholds)
+        by_file = {name: summarize(path_predictions(r.draft.parts, r.draft.layers, rows, exits, r.vocab, head),
+                                   exits, thresholds) for name, rows in self.path_sets.items() if rows}
+        if by_file:
+            out["on_path"] = next(iter(by_file.values()))  # the first file: the curve's series
+        if len(by_file) > 1:
+            out["on_path_by_file"] = by_file
         return out

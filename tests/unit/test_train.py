@@ -229,6 +229,10 @@ def test_calibrate_cli_writes_a_profile_the_engine_reads(tmp_path, tiny_llama_di
     profile = json.loads(out.read_text())
     assert profile["exit_layers"] == [1, 2] and len(profile["thresholds"]) == 2 and profile["thresholds"][-1] == 0.0
     assert profile["policy"] in ("fixed", "heuristic") and profile["calibration_set"]["responses"] >= 1
+    hits = profile["on_path"]["topk_hit"]  # what a tree can accept, per exit: top-1..4
+    assert set(hits) == {"1", "2"} and all(len(h) == 4 and h[0] == profile["on_path"]["agree"][e]
+                                           for e, h in hits.items())
+    assert len(profile["on_path"]["s2d_topk_hit"]) == 4
     cfg = EngineConfig(target=TargetConfig(name=str(tiny_llama_dir), calibration=str(out)),
                        draft=DraftConfig(source=draft), num_threads=1)
     assert build_engine(cfg).draft.spec.thresholds == profile["thresholds"]
@@ -293,3 +297,134 @@ def test_export_from_checkpoint_equals_the_saved_draft(tmp_path, tiny_llama_dir)
     a, b = load_file(str(tmp_path / "saved" / "draft.safetensors")), load_file(str(tmp_path / "exported" / "draft.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert manifest["steps"] == 2
+
+
+def test_topk_kd_equals_full_kd_restricted_to_the_top_k():
+    """The cached loss is the full-logit KD of the target renormalised over its top-k ids in the draft vocabulary:
+    exact when k covers the vocabulary, and a direct sum over those ids otherwise."""
+    from s2d_ray.train.forward import TopK
+
+    g = torch.Generator().manual_seed(0)
+    full_size, ids = 40, torch.tensor([0, 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37])
+    vocab = SubVocab(ids, full_size)
+    target = torch.randn(6, full_size, generator=g, dtype=torch.float64) * 3
+    draft = torch.randn(6, len(ids), generator=g, dtype=torch.float64, requires_grad=True)
+    out = type("O", (), {"logits": [draft], "labels": torch.full((6,), -100)})()
+    temp = 2.0
+    dense, _ = soft_loss(out, [1.0], kd=[target[:, ids]], kd_weight=1.0, temperature=temp)
+    top = target.topk(full_size, -1)  # k = the whole vocabulary: the full KD
+    cached, _ = soft_loss(out, [1.0], kd=[TopK.of(top.values, top.indices, vocab)], kd_weight=1.0, temperature=temp)
+    torch.testing.assert_close(cached, dense)
+    top = target.topk(8, -1)
+    got, _ = soft_loss(out, [1.0], kd=[TopK.of(top.values, top.indices, vocab)], kd_weight=1.0, temperature=temp)
+    logq = torch.log_softmax(draft / temp, -1)
+    want = 0.0
+    for n in range(6):
+        keep = [int(i) for i in top.indices[n] if int(i) in ids.tolist()]  # top-8 ids that the draft can propose
+        logp = torch.log_softmax(target[n, keep] / temp, -1)
+        want = want + (logp.exp() * (logp - logq[n, [ids.tolist().index(i) for i in keep]])).sum()
+    torch.testing.assert_close(got, want / 6 * temp**2)
+    # A position none of whose top-k ids is in the draft vocabulary adds nothing (and no NaN gradient).
+    none = TopK.of(torch.randn(1, 2, dtype=torch.float64), torch.tensor([[1, 4]]), vocab)
+    assert float(none.kl(logq[:1].detach(), temp)) == 0.0
+    got.backward()
+    assert torch.isfinite(draft.grad).all()
+
+
+def test_kd_cache_replaces_the_target_forward(tmp_path, tiny_llama_dir):
+    """Training from the cache matches full-logit KD (k = vocabulary), survives a partial build and is keyed to the
+    rows: a different packing is refused."""
+    from s2d_ray.train.kdcache import TopKCache, target_cache_dir
+
+    other = save_tiny_llama(tmp_path / "other", seed=1)
+    kw = dict(kd_targets=[str(tiny_llama_dir), str(other)], kd_weight=1.0, kd_temperature=2.0, vocab_size=64,
+              train_norm_head=True, steps=4)
+    dense = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
+    cache_dir = tmp_path / "cache"
+    # A build killed after two chunks: the run completes it.
+    part = TopKCache(target_cache_dir(cache_dir, str(other)), str(other), dense.rows, 320, "float32")
+    part.build(dense.kd_models[1], progress=False)
+    for p in sorted(part.directory.glob("part-*.pt"))[2:]:
+        p.unlink()
+    cached = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run2"), kd_cache=str(cache_dir), kd_topk=320,
+                          **kw))
+    assert len(cached.kd_caches) == 2
+    for step in (0, 3):
+        batch = dense.batch_at(step)
+        with torch.no_grad():
+            a, per_a = dense.loss_on(batch)
+            b, per_b = cached.loss_on(batch)
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # logits stored in float16
+    small = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run3"), kd_cache=str(tmp_path / "c8"),
+                         kd_topk=8, **kw))
+    with torch.no_grad():
+        loss8 = small.loss_on(small.batch_at(0))[0]
+    assert torch.isfinite(loss8) and not torch.isclose(loss8, dense.loss_on(dense.batch_at(0))[0].detach())
+    small.train(progress=False)
+    assert small.step == 4
+    with pytest.raises(ValueError, match="other rows"):
+        Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run4"), kd_cache=str(cache_dir), kd_topk=320,
+                     seq_len=48, **kw))
+
+
+def test_exit_distill_teaches_shallow_exits_from_the_detached_deepest():
+    g = torch.Generator().manual_seed(0)
+    shallow = torch.randn(5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    deep = torch.randn(5, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    out = type("O", (), {"logits": [shallow, deep], "labels": torch.full((5,), -100)})()  # no CE: only the new term
+    loss, per_exit = soft_loss(out, [1.0, 1.0], exit_distill=0.5, temperature=2.0)
+    p, logq = torch.softmax(deep / 2, -1), torch.log_softmax(shallow / 2, -1)
+    want = 0.5 * 4 * (p * (p.log() - logq)).sum(-1).mean()
+    torch.testing.assert_close(loss, (want / 2).float())  # soft_loss computes in float32
+    assert per_exit[1] == 0.0
+    loss.backward()
+    assert deep.grad.abs().max() == 0 and shallow.grad.abs().max() > 0  # the deepest exit is the teacher only
+    same = type("O", (), {"logits": [deep, deep], "labels": torch.full((5,), -100)})()
+    assert float(soft_loss(same, [1.0, 1.0], exit_distill=1.0)[0].detach()) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_exit_distill_reaches_the_trainer(tmp_path, tiny_llama_dir):
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, exit_distill=1.0, exit_weights=[2.0, 1.0], steps=2))
+    with torch.no_grad():
+        with_term = run.loss_on(run.batch_at(0))
+        run.cfg.exit_distill = 0.0
+        without = run.loss_on(run.batch_at(0))
+    assert with_term[1][0] > without[1][0] and with_term[1][1] == without[1][1]
+
+
+def test_validation_reports_every_targets_held_out_paths(tmp_path, tiny_llama_dir):
+    from s2d_ray.train.data import read_rows
+    from s2d_ray.train.selfdistill import generate_responses, pick_rows
+
+    other = save_tiny_llama(tmp_path / "other", seed=1)
+    rows = pick_rows(write_rows(tmp_path / "d.jsonl"), None, 0, "heldout")
+    files = []
+    for name, target in (("paths_a", tiny_llama_dir), ("paths_b", other)):
+        files.append(tmp_path / f"{name}.jsonl")
+        generate_responses(str(target), rows, files[-1], max_new_tokens=6)
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, onpath_data=[str(f) for f in files], steps=1, val_examples=50))
+    out = run.validator.run()
+    assert set(out["on_path_by_file"]) == {"paths_a", "paths_b"} and out["on_path"] == out["on_path_by_file"]["paths_a"]
+    for f in files:
+        want = sum(len(r["response_ids"]) for r in read_rows(f))
+        got = out["on_path_by_file"][f.stem]
+        assert got["tokens"] == want and len(got["topk_hit"]["2"]) == 4
+    single = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "one"), onpath_data=str(files[1]), steps=1,
+                          val_examples=50))
+    assert single.validator.run()["on_path"] == out["on_path_by_file"]["paths_b"]
+
+
+def test_kd_cache_built_in_bfloat16_is_close_and_kept_apart(tmp_path, tiny_llama_dir):
+    kw = dict(kd_targets=[str(tiny_llama_dir)], kd_weight=1.0, vocab_size=64, steps=2, kd_topk=320)
+    fp32 = Run(tiny_cfg(tmp_path, tiny_llama_dir, kd_cache=str(tmp_path / "c32"), **kw))
+    bf16 = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "r16"), kd_cache=str(tmp_path / "c16"),
+                        kd_cache_dtype="bfloat16", **kw))
+    meta = json.loads(next((tmp_path / "c16").glob("*/kdcache.json")).read_text())
+    assert meta["dtype"] == "bfloat16"
+    assert not torch.equal(bf16.kd_caches[0].values, fp32.kd_caches[0].values)  # really built in bf16
+    with torch.no_grad():
+        a, b = fp32.loss_on(fp32.batch_at(0))[0], bf16.loss_on(bf16.batch_at(0))[0]
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError, match="other rows or settings"):
+        Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "r3"), kd_cache=str(tmp_path / "c32"),
+                     kd_cache_dtype="bfloat16", **kw))

@@ -1,0 +1,113 @@
+"""A cache of the KD targets' top-k logits at every labelled position of the packed training rows.
+
+KD with the target's full distribution runs the target's forward (30 layers for SmolLM2-135M) at every step, for
+every epoch and every stage on the same data: most of a step's time. The cache runs it once, storing per labelled
+position the k largest logits over the FULL vocabulary (float16) and their ids (int16, offset by 2^15: vocabularies
+up to 65,536), so one cache serves any reduced draft vocabulary; 4 bytes per id and logit. Files are written per chunk of rows, atomically, so building resumes after a kill.
+
+Contract of the cached loss (`TopK` in forward.py): the target's distribution is its softmax over the cached ids
+that are in the draft's vocabulary, renormalised (at the KD temperature); KL(target || draft) sums over those ids.
+With k covering the draft's vocabulary this is exactly the full-logit KD.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .data import Packed, stack_rows
+from .forward import SubVocab, TopK, target_logits
+
+logger = logging.getLogger(__name__)
+META = "kdcache.json"
+ID_OFFSET = 32768  # ids are stored as int16 minus this offset
+
+
+def rows_fingerprint(rows: list[Packed]) -> str:
+    """A hash of the packed rows (ids, labels, positions, documents): a cache fits exactly these rows."""
+    digest = hashlib.sha256()
+    for r in rows:
+        for t in (r.ids, r.labels, r.positions, r.doc):
+            digest.update(t.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class TopKCache:
+    """One target's cached top-k logits for a list of packed rows, in `directory` (built on first use)."""
+
+    def __init__(self, directory: Path, target: str, rows: list[Packed], k: int, dtype: str,
+                 chunk_rows: int = 4) -> None:
+        self.directory = Path(directory)
+        self.rows, self.k, self.chunk_rows = rows, k, chunk_rows
+        self.meta = {"target": target, "k": k, "dtype": dtype, "rows": len(rows), "chunk_rows": chunk_rows,
+                     "fingerprint": rows_fingerprint(rows)}
+        self.values: torch.Tensor | None = None
+        self.ids: torch.Tensor | None = None
+        self.offsets: torch.Tensor | None = None
+
+    def _part(self, c: int) -> Path:
+        return self.directory / f"part-{c:06d}.pt"
+
+    def _chunks(self) -> range:
+        return range(0, -(-len(self.rows) // self.chunk_rows))
+
+    def missing(self) -> list[int]:
+        """Chunks not written yet (all of them for a new cache); refuses a cache of other rows or settings."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        meta_path = self.directory / META
+        if meta_path.exists():
+            old = json.loads(meta_path.read_text())
+            if old != self.meta:
+                raise ValueError(f"KD cache {self.directory} was built for other rows or settings ({old}); "
+                                 "use another --kd-cache directory")
+        else:
+            meta_path.write_text(json.dumps(self.meta, indent=2))
+        return [c for c in self._chunks() if not self._part(c).exists()]
+
+    def build(self, model: torch.nn.Module, progress: bool = True) -> int:
+        """Compute the missing chunks with the target's forward; returns how many were computed."""
+        if model.config.vocab_size > 2 * ID_OFFSET:
+            raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
+        todo = self.missing()
+        full = SubVocab(None, model.config.vocab_size)
+        for c in tqdm(todo, desc=f"KD cache {self.meta['target']}", disable=not progress or not todo):
+            rows = self.rows[c * self.chunk_rows : (c + 1) * self.chunk_rows]
+            batch = stack_rows(rows)
+            logits = target_logits(model, batch, full)
+            top = logits.topk(min(self.k, logits.shape[-1]), -1)
+            counts = (batch.labels != -100).sum(-1)
+            tmp = self._part(c).with_suffix(".tmp")
+            ids = (top.indices - ID_OFFSET).short()
+            torch.save({"values": top.values.half(), "ids": ids, "counts": counts}, tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            tmp.replace(self._part(c))
+        return len(todo)
+
+    def load(self) -> "TopKCache":
+        if self.missing():
+            raise ValueError(f"KD cache {self.directory} is incomplete; build it first")
+        parts = [torch.load(self._part(c)) for c in self._chunks()]
+        self.values = torch.cat([p["values"] for p in parts])
+        self.ids = torch.cat([p["ids"] for p in parts])
+        counts = torch.cat([p["counts"] for p in parts])
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        return self
+
+    def lookup(self, batch: Packed, vocab: SubVocab) -> TopK:
+        """The batch's labelled positions in order (row by row), with ids mapped into the draft's vocabulary."""
+        if batch.row is None:
+            raise ValueError("a KD cache needs packed rows that carry their index (data.pack)")
+        sel = torch.cat([torch.arange(self.offsets[r], self.offsets[r + 1]) for r in batch.row.tolist()])
+        return TopK.of(self.values[sel].float(), self.ids[sel].long() + ID_OFFSET, vocab)
+
+
+def target_cache_dir(root: Path, target: str) -> Path:
+    """One subdirectory per target under --kd-cache (a target name or path, made filesystem-safe)."""
+    return Path(root) / target.strip("/").replace("/", "__")
