@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import socket
+from pathlib import Path
 
 import ray
 import torch
@@ -147,3 +148,19 @@ class TPGroup:
     def close(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
+        remove_shm_buffers(self.port)
+
+
+def remove_shm_buffers(port: int, shm_dir: str = "/dev/shm") -> int:
+    """Delete DeepSpeed's CPU all-reduce buffers of the group on `port` (one ~67 MB file per rank, named
+    deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>): DeepSpeed never unlinks them, and a suite or an
+    autoscaling app that starts TP groups again and again filled /dev/shm until Ray's memory monitor killed workers.
+    Run when the group's ranks are gone (the mappings die with them); returns how many files were removed."""
+    removed = 0
+    for path in Path(shm_dir).glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
