@@ -159,13 +159,17 @@ def replica_counts(app: str) -> dict[str, int]:
 
 
 def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_instance, tiny_family, refs):
-    """Router, draft and target autoscale (min 1, max 2) on ongoing requests: up during a run at concurrency 16,
-    down once it ends; requests running while replicas come and go lose nothing and stay exact."""
+    """Router and targets autoscale (min 1, max 2) on ongoing requests, the draft on its busy fraction: up during a
+    run at concurrency 16, down once it ends; requests running while replicas come and go lose nothing and stay
+    exact."""
     from s2d_ray.serve import build_app
 
-    def auto(target_ongoing: float) -> dict:
+    def auto(target_ongoing: float, busy_target: float | None = None) -> dict:
+        policy = {} if busy_target is None else {"policy": {
+            "policy_function": "s2d_ray.serve.draft_autoscale:DraftBusyPolicy",
+            "policy_kwargs": {"target_busy_fraction": busy_target}}}
         return {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
-                                       "target_ongoing_requests": target_ongoing, **FAST},
+                                       "target_ongoing_requests": target_ongoing, **FAST, **policy},
                 "num_cpus": 0.1, "health_check_period_s": 1.0}
 
     cfg = {
@@ -173,7 +177,9 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         "targets": [{"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64", **auto(1.0)},
                     {"name": "tiny-b", "source": str(tiny_family["b"]), "dtype": "float64", "max_context": 128,
                      **auto(1.0)}],
-        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", **auto(1.0)},
+        # The draft scales on its own busy fraction (draft_autoscale.DraftBusyPolicy); a low target so the tiny
+        # draft's work under this load asks for the maximum, and idle asks for the minimum.
+        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", **auto(1.0, busy_target=0.02)},
         "spec": SPEC,
         "limits": {"max_tokens_limit": 64, "max_body_bytes": 8192, "max_concurrent_sequences": 8,
                    "max_queued_requests": 64, "request_timeout_s": 120.0},
