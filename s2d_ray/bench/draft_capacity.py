@@ -72,7 +72,7 @@ async def run_capacity(run: CapacityRun, prompts: list[str]) -> dict:
     """For n = 1..len(targets) and each per-target concurrency c: n x c streams (c per target), the draft's delta."""
     import httpx
 
-    from .machine import machine_info
+    from .machine import load_average, machine_info
 
     peak = len(run.targets) * max(run.load.concurrency)
     limits = httpx.Limits(max_connections=peak + 1, max_keepalive_connections=peak + 1)
@@ -91,7 +91,7 @@ async def run_capacity(run: CapacityRun, prompts: list[str]) -> dict:
                 levels.append({"targets": n, "per_target": c, **level_summary(n * c, results, wall),
                                "draft": draft})
     settings = {**asdict(run.load), "api_key": "***" if run.load.api_key else None, "targets": run.targets}
-    return {"machine": machine_info(), "run": settings, "levels": levels}
+    return {"machine": machine_info(), "run": settings, "levels": levels, "load_average_end": load_average()}
 
 
 def capacity_markdown(result: dict) -> str:
