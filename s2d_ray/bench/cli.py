@@ -1,4 +1,5 @@
-"""`s2d bench spec|steps|serve`: Spec-Bench side by side, per-step costs, and load against a running server."""
+"""`s2d bench spec|steps|plan-check|serve|draft-capacity`: Spec-Bench side by side, per-step costs, the fleet model
+checked, load against a running server, and the shared draft's capacity under that load."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ from ..errors import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), serve (HTTP load)")
+    p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
+                       "load), draft-capacity (the shared draft under that load)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
     _register_plan_check(bench)
     _register_serve(bench)
+    _register_draft_capacity(bench)
 
 
 def _default_out(kind: str) -> Path:
@@ -153,17 +156,8 @@ def run_plan_check(args: argparse.Namespace) -> int:
 # --- serve -----------------------------------------------------------------------------------------------------------
 def _register_serve(bench) -> None:
     p = bench.add_parser("serve", help="bounded streaming load against an OpenAI-compatible server")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (/v1/completions is appended)")
     p.add_argument("--model", default=DEFAULT_TARGET, help="the `model` field of each request")
-    p.add_argument("--concurrency", type=INTS, default=[1, 2, 4, 8, 16], help="levels, e.g. 1,2,4,8,16")
-    p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
-    p.add_argument("--max-seconds", type=float, default=120.0, help="time limit per level; then it stops")
-    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (seconds)")
-    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for the mixed prompts")
-    p.add_argument("--no-usage", action="store_true", help="do not ask for stream_options.include_usage")
-    p.add_argument("--api-key-env", default="S2D_API_KEY", help="environment variable holding the bearer key")
+    _add_load_args(p, "levels, e.g. 1,2,4,8,16", [1, 2, 4, 8, 16], "requests per level (at least the concurrency)")
     p.add_argument("--compare-plain", action="store_true",
                    help="each level also runs with speculate: false (plain decoding through the same app): served "
                    "speculative vs served AR in one run")
@@ -171,22 +165,64 @@ def _register_serve(bench) -> None:
     p.set_defaults(func=run_serve)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import asyncio
+def _register_draft_capacity(bench) -> None:
+    p = bench.add_parser("draft-capacity", help="load 1, 2, ... targets of one served app at rising concurrency and "
+                         "report the shared draft replica's busy fraction, merging and queueing delay")
+    p.add_argument("--targets", type=NAMES, required=True, help="comma list of served target names, loaded 1, 2, "
+                   "... at a time in this order")
+    _add_load_args(p, "streams PER TARGET, e.g. 1,2,4", [1, 2, 4], "requests per target per level")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output directory (default bench_results/draft-capacity-<time>)")
+    p.set_defaults(func=run_draft_capacity)
 
-    from .serve import LoadRun, mixed_prompts, run_load, serve_markdown, plot_load
+
+def _add_load_args(p, concurrency_help: str, concurrency: list[int], requests_help: str) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (/v1/completions is appended)")
+    p.add_argument("--concurrency", type=INTS, default=concurrency, help=concurrency_help)
+    p.add_argument("--requests", type=int, default=16, help=requests_help)
+    p.add_argument("--max-seconds", type=float, default=120.0, help="time limit per level; then it stops")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (seconds)")
+    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for the mixed prompts")
+    p.add_argument("--no-usage", action="store_true", help="do not ask for stream_options.include_usage")
+    p.add_argument("--api-key-env", default="S2D_API_KEY", help="environment variable holding the bearer key")
+
+
+def _load_run(args: argparse.Namespace, model: str):
+    from .serve import LoadRun
 
     if args.requests < 1 or args.max_tokens < 1 or args.max_seconds <= 0 or min(args.concurrency) < 1:
         raise ConfigError("--requests, --max-tokens, --max-seconds and --concurrency must be positive")
-    load = LoadRun(args.url, args.model, args.concurrency, args.requests, args.max_seconds, args.max_tokens,
+    return LoadRun(args.url, model, args.concurrency, args.requests, args.max_seconds, args.max_tokens,
                    args.temperature, args.timeout, not args.no_usage, os.environ.get(args.api_key_env) or None,
-                   compare_plain=args.compare_plain)
+                   compare_plain=getattr(args, "compare_plain", False))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .serve import mixed_prompts, plot_load, run_load, serve_markdown
+
+    load = _load_run(args, args.model)
     result = asyncio.run(run_load(load, mixed_prompts(args.questions)))
     out = args.out or _default_out("serve")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(result, indent=1))
-    text = serve_markdown(result)
-    (out / "serve.md").write_text(text)
+    _write_report(out, "serve", result, serve_markdown(result))
     plot_load(result, out / "serve.png")
-    sys.stdout.write(text + f"\nwrote {out}/serve.json, serve.md, serve.png\n")
     return 1 if result["summary"] and all(lv["completed"] == 0 for lv in result["summary"]) else 0
+
+
+def run_draft_capacity(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .draft_capacity import CapacityRun, capacity_markdown, plot_capacity, run_capacity
+    from .serve import mixed_prompts
+
+    if len(set(args.targets)) != len(args.targets):
+        raise ConfigError(f"--targets repeats a target: {args.targets}")
+    run = CapacityRun(_load_run(args, args.targets[0]), args.targets)
+    result = asyncio.run(run_capacity(run, mixed_prompts(args.questions)))
+    out = args.out or _default_out("draft-capacity")
+    _write_report(out, "draft_capacity", result, capacity_markdown(result))
+    plot_capacity(result, out / "draft_capacity.png")
+    return 1 if all(lv["completed"] == 0 for lv in result["levels"]) else 0

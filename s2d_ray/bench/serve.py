@@ -74,9 +74,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-async def one_request(client, run: LoadRun, prompt: str) -> RequestResult:
-    body = {"model": run.model, "prompt": prompt, "max_tokens": run.max_tokens, "temperature": run.temperature,
-            "stream": True}
+async def one_request(client, run: LoadRun, prompt: str, model: str | None = None) -> RequestResult:
+    body = {"model": model or run.model, "prompt": prompt, "max_tokens": run.max_tokens,
+            "temperature": run.temperature, "stream": True}
     if run.speculate is not None:
         body["speculate"] = run.speculate
     if run.include_usage:
@@ -114,20 +114,22 @@ async def one_request(client, run: LoadRun, prompt: str) -> RequestResult:
     return RequestResult(True, time.perf_counter() - t0, ttft, usage_tokens or chunks, gaps)
 
 
-async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str]) -> list[RequestResult]:
-    """`concurrency` workers share one request budget; nothing new starts after max_seconds."""
+async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
+                    models: list[str] | None = None) -> list[RequestResult]:
+    """`concurrency` workers share one request budget; nothing new starts after max_seconds. With `models`, worker w
+    asks for models[w % len(models)] (an even split of the workers over several targets), else run.model."""
     budget = max(run.requests, concurrency)
     next_index = [0]
     results: list[RequestResult] = []
     deadline = time.perf_counter() + run.max_seconds
 
-    async def worker() -> None:
+    async def worker(model: str | None) -> None:
         while next_index[0] < budget and time.perf_counter() < deadline:
             i = next_index[0]
             next_index[0] += 1
-            results.append(await one_request(client, run, prompts[i % len(prompts)]))
+            results.append(await one_request(client, run, prompts[i % len(prompts)], model))
 
-    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    tasks = [asyncio.create_task(worker(models[w % len(models)] if models else None)) for w in range(concurrency)]
     _, pending = await asyncio.wait(tasks, timeout=run.max_seconds + run.timeout)
     for t in pending:
         t.cancel()

@@ -16,6 +16,7 @@ from ..core.stack import limit_rows
 from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
 from .app_config import AppConfig
+from .draft_autoscale import BUSY_METRIC
 from .draft_capacity import DraftCapacity
 from .replica import (
     Counted, IdleSequences, ModelThread, chunks, recomputed_tokens, replica_id, split_like,
@@ -138,6 +139,10 @@ class DraftDeployment:
                 **self.capacity.stats(), "recomputed_tokens": self.recomputed,
                 "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
                 "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters)}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to Serve's controller when the draft autoscales: `draft_autoscale.DraftBusyPolicy` reads it."""
+        return {BUSY_METRIC: self.capacity.busy_fraction(time.monotonic())}
 
     async def check_health(self) -> None:
         """Healthy when the model thread answers; also drops KV of sequences idle past the TTL."""

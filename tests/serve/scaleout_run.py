@@ -4,6 +4,10 @@ target; `--replicas 1` for the baseline) on a private local Ray, send streaming 
 replica, from every router's /health), and the peak RSS of every replica process (sampled during the load).
 
     PYTHONPATH=$PWD flock /tmp/s2d-heavy.lock timeout 1800 .venv/bin/python tests/serve/scaleout_run.py --requests 32
+
+`--scale-down-at 60` redeploys the app with one replica of each 60 s into the load (the scale-down by redeploy of
+issue 14): every request must still complete. Recomputed tokens of replicas that went away are lost with their
+routers, so the figure then undercounts.
 """
 
 from __future__ import annotations
@@ -83,6 +87,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--scale-down-at", type=float, default=None,
+                        help="seconds into the load: redeploy the app with --scale-down-to replicas of each (as "
+                        "`serve deploy` of the edited file would) while requests run")
+    parser.add_argument("--scale-down-to", type=int, default=1)
     args = parser.parse_args()
 
     import ray
@@ -103,10 +111,23 @@ def main() -> None:
     model = cfg["targets"][0]["name"]
     run = LoadRun(url, model, [args.concurrency], requests=args.requests, max_seconds=1200.0,
                   max_tokens=args.max_tokens, timeout=600.0)
+    redeploy: dict = {}
+
+    def scale_down() -> None:
+        t = time.monotonic()
+        serve.run(build_app(app_args(args.scale_down_to)), name="s2d", route_prefix="/")
+        redeploy.update(at_s=args.scale_down_at, to=args.scale_down_to, running_after_s=round(time.monotonic() - t, 1))
+
+    timer = threading.Timer(args.scale_down_at, scale_down) if args.scale_down_at is not None else None
     with PeakRss() as rss:
+        if timer:
+            timer.start()
         result = asyncio.run(run_load(run, mixed_prompts(None)))
+        if timer:
+            timer.join()
     summary = result["summary"][0]
-    health = router_health(url, args.replicas)
+    routers = args.scale_down_to if timer else args.replicas
+    health = router_health(url, routers)
     recomputed: dict[str, dict[str, int]] = {}
     for h in health:
         for dep, per_replica in h["recomputed_tokens"].items():
@@ -120,7 +141,7 @@ def main() -> None:
         "recomputed_pct": round(100 * sum(n for d in recomputed.values() for n in d.values())
                                 / max(summary["output_tokens"], 1), 2),
         "peak_rss_mib": {k: round(v) for k, v in sorted(rss.peak.items())},
-        "draft_stats": [h["draft"] for h in health]}))
+        "draft_stats": [h["draft"] for h in health], "redeploy": redeploy or None}))
     serve.shutdown()
     ray.shutdown()
 

@@ -158,22 +158,32 @@ def replica_counts(app: str) -> dict[str, int]:
     return {name: d.replica_states.get("RUNNING", 0) for name, d in deployments.items()}
 
 
+BUSY_TARGET = 0.1
+
+
 def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_instance, tiny_family, refs):
-    """Router, draft and target autoscale (min 1, max 2) on ongoing requests: up during a run at concurrency 16,
-    down once it ends; requests running while replicas come and go lose nothing and stay exact."""
+    """Router and targets autoscale (min 1, max 2) on ongoing requests, the draft on its busy fraction: up during a
+    run at concurrency 16, down once it ends; requests running while replicas come and go lose nothing and stay
+    exact."""
     from s2d_ray.serve import build_app
 
-    def auto(target_ongoing: float) -> dict:
+    def auto(target_ongoing: float, busy_target: float | None = None) -> dict:
+        policy = {} if busy_target is None else {"policy": {
+            "policy_function": "s2d_ray.serve.draft_autoscale:DraftBusyPolicy",
+            "policy_kwargs": {"target_busy_fraction": busy_target}}}
         return {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
-                                       "target_ongoing_requests": target_ongoing, **FAST},
+                                       "target_ongoing_requests": target_ongoing, **FAST, **policy},
                 "num_cpus": 0.1, "health_check_period_s": 1.0}
 
     cfg = {
-        # A router keeps about one round call in flight per deployment: 1.0 per replica scales them with the routers.
-        "targets": [{"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64", **auto(1.0)},
+        # A router keeps at most one round call in flight per target, and not all the time (its rounds also wait for
+        # the draft): 0.5 per replica scales a target up once two routers keep it busy more than half the time.
+        "targets": [{"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64", **auto(0.5)},
                     {"name": "tiny-b", "source": str(tiny_family["b"]), "dtype": "float64", "max_context": 128,
-                     **auto(1.0)}],
-        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", **auto(1.0)},
+                     **auto(0.5)}],
+        # The draft scales on its own busy fraction (draft_autoscale.DraftBusyPolicy), with a target the tiny draft
+        # exceeds under this load and stays under with one client that pauses between requests.
+        "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", **auto(1.0, busy_target=BUSY_TARGET)},
         "spec": SPEC,
         "limits": {"max_tokens_limit": 64, "max_body_bytes": 8192, "max_concurrent_sequences": 8,
                    "max_queued_requests": 64, "request_timeout_s": 120.0},
@@ -185,12 +195,19 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
     try:
         rng = random.Random(11)
         peak: dict[str, int] = {}
+        busy = {"load": 0.0, "quiet": 0.0}  # the highest draft busy fraction the routers' /health showed, per phase
+        phase = ["load"]
         stop = threading.Event()
 
         def watch() -> None:
             while not stop.is_set():
                 for name, n in replica_counts(AUTOSCALE_APP).items():
                     peak[name] = max(peak.get(name, 0), n)
+                try:  # a router replica going away mid-call is expected here
+                    draft = app.handle.stats.remote().result(timeout_s=5)["draft"]
+                    busy[phase[0]] = max(busy[phase[0]], draft.get("busy_fraction", 0.0))
+                except Exception:
+                    pass
                 time.sleep(0.5)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -201,16 +218,20 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         while time.monotonic() - started < 90 and not all(peak.get(d, 0) >= 2 for d in scaled):
             loaded += run_phase(app.url, [j for j in plan(rng, refs, 60) if j.kind == "greedy"])[0]
         up_s = time.monotonic() - started
-        # Load drops to one client: replicas drain and go while its requests run.
+        # Load drops to one client that pauses between requests: replicas drain and go while its requests run.
+        phase[0] = "quiet"
         quiet = []
         while time.monotonic() - started < up_s + 60 and sum(replica_counts(AUTOSCALE_APP).values()) > 4:
-            quiet += [run_job(app.url, j) for j in plan(rng, refs, 6) if j.kind == "greedy"]
+            for job in [j for j in plan(rng, refs, 6) if j.kind == "greedy"]:
+                quiet.append(run_job(app.url, job))
+                time.sleep(1.0)
         down_s = time.monotonic() - started - up_s
         stop.set()
         watcher.join()
         final = replica_counts(AUTOSCALE_APP)
         figures = {"peak": peak, "final": final, "up_s": round(up_s, 1), "down_s": round(down_s, 1),
-                   "requests_under_load": len(loaded), "requests_while_scaling_down": len(quiet)}
+                   "requests_under_load": len(loaded), "requests_while_scaling_down": len(quiet),
+                   "draft_busy_max": {k: round(v, 3) for k, v in busy.items()}}
         print("AUTOSCALE", json.dumps(figures))
         assert [why for o in loaded + quiet if (why := check(o))] == []
         assert all(peak[d] == 2 for d in scaled), figures

@@ -163,3 +163,28 @@ def test_seeded_sampling_equals_in_process_s2d(tiny_app, tiny_family):
     assert body["choices"][0]["text"] == ref.text(expected)
     m = body["metrics"]["speculative_decoding"]
     assert 0 < m["num_accepted_draft_tokens"] < m["num_draft_tokens"]
+
+
+def test_draft_capacity_bench_reads_the_shared_draft(tiny_app, tmp_path):
+    """`s2d bench draft-capacity`'s run: 1 then 2 targets at 1 and 2 streams each, figures from the draft's counters.
+    One target alone never shares a forward; two targets under load do."""
+    from s2d_ray.bench.draft_capacity import CapacityRun, capacity_markdown, plot_capacity, run_capacity
+    from s2d_ray.bench.serve import LoadRun
+    from serve_helpers import API_KEY
+
+    load = LoadRun(tiny_app.url, "tiny-a", [1, 2], requests=4, max_seconds=60, max_tokens=16, timeout=60,
+                   api_key=API_KEY)
+    result = asyncio.run(run_capacity(CapacityRun(load, ["tiny-a", "tiny-b"]), PROMPTS))
+    levels = result["levels"]
+    assert [(lv["targets"], lv["per_target"], lv["concurrency"]) for lv in levels] == [
+        (1, 1, 1), (1, 2, 2), (2, 1, 2), (2, 2, 4)]
+    assert [(lv["sent"], lv["errors"]) for lv in levels] == [(4, 0), (4, 0), (8, 0), (8, 0)]
+    for lv in levels:
+        d = lv["draft"]
+        assert d["calls"] >= lv["sent"] and d["forwards"] >= 1 and d["rows_per_forward"] >= 1, d
+        assert 0 < d["busy_fraction"] <= 1 and 0 < d["forward_ms"] < d["round_ms"], d
+        assert d["queue_delay_ms"] >= 0 and d["draft_share_of_round"] > 0, d
+    assert all(lv["draft"]["merged_forward_share"] == 0 for lv in levels if lv["targets"] == 1)
+    assert max(lv["draft"]["merged_row_share"] for lv in levels if lv["targets"] == 2) > 0
+    assert "| 2 | 2 |" in capacity_markdown(result)
+    assert plot_capacity(result, tmp_path / "capacity.png").stat().st_size > 1000

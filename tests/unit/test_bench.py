@@ -147,10 +147,15 @@ def test_bad_bench_arguments_are_one_line_errors(tiny_dir, questions_file, tmp_p
     assert main(base + ["--methods", "hf-generate,warp-drive", "--max-new-tokens", "4"]) == 2
     assert main(base + ["--categories", "poetry"]) == 2
     assert main(["bench", "spec", "--questions", str(tmp_path / "missing.jsonl")]) == 2
+    capacity = ["bench", "draft-capacity", "--url", f"http://127.0.0.1:{_free_port()}", "--out", str(tmp_path / "c")]
+    assert main(capacity + ["--targets", "a,b,a"]) == 2
+    assert main(capacity + ["--targets", "a", "--requests", "0"]) == 2
+    assert main(capacity + ["--targets", "a"]) == 2  # nothing listens there
     captured = capsys.readouterr().err
     err = [line for line in captured.splitlines() if line.startswith("s2d: error: ")]  # (loaders print progress)
-    assert len(err) == 4 and "Traceback" not in captured
+    assert len(err) == 7 and "Traceback" not in captured
     assert "warp-drive" in err[1] and "poetry" in err[2]
+    assert "repeats a target" in err[4] and "no /health from" in err[6]
 
 
 def test_steps_report_on_a_tiny_model(tiny_dir, questions_file, tmp_path, capsys):
@@ -286,3 +291,25 @@ def test_assistant_built_from_a_reduced_vocab_draft_proposes_what_the_drafter_do
         assert torch.isinf(logits[:10]).all() and torch.isinf(logits[90:]).all()
         proposal = SortedDrafter(draft).propose([DraftRequest("x", prompt, 1)])[0]
         assert int(logits.argmax()) == proposal.tokens[0]
+
+
+def test_draft_capacity_figures_are_differences_over_the_level():
+    from s2d_ray.bench.draft_capacity import draft_delta
+    from s2d_ray.errors import ServiceUnavailableError
+
+    before = {"replica": "r1", "num_calls": 10, "num_forwards": 8, "num_rows": 20, "num_merged_forwards": 1,
+              "num_merged_rows": 4, "busy_s": 1.0, "queue_delay_s": 0.1, "uptime_s": 100.0}
+    # 40 calls (2 targets: 20 rounds each in 10 s -> 500 ms a round), 20 forwards of 3 rows, 10 of them shared
+    after = {**before, "num_calls": 50, "num_forwards": 28, "num_rows": 80, "num_merged_forwards": 11,
+             "num_merged_rows": 44, "busy_s": 8.0, "queue_delay_s": 0.9, "uptime_s": 110.0}
+    d = draft_delta(before, after, num_targets=2)
+    assert (d["calls"], d["forwards"], d["rows"]) == (40, 20, 60)
+    assert d["busy_fraction"] == pytest.approx(0.7) and d["replicas_needed"] == 1
+    assert d["merged_forward_share"] == pytest.approx(0.5) and d["merged_row_share"] == pytest.approx(40 / 60)
+    assert d["rows_per_forward"] == pytest.approx(3.0) and d["forward_ms"] == pytest.approx(350.0)
+    assert d["queue_delay_ms"] == pytest.approx(20.0) and d["round_ms"] == pytest.approx(500.0)
+    assert d["draft_share_of_round"] == pytest.approx((0.02 + 0.35) / 0.5)
+    busier = draft_delta(before, {**after, "busy_s": 10.0}, 2)
+    assert busier["busy_fraction"] == pytest.approx(0.9) and busier["replicas_needed"] == 2
+    with pytest.raises(ServiceUnavailableError, match="draft replica changed"):
+        draft_delta(before, {**after, "replica": "r2"}, 2)
