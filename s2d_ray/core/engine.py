@@ -178,9 +178,9 @@ class SpecEngine:
         out = []
         for d, p in zip(drafts, proposals):
             n = len(p.tokens) + 1
-            if self._wants_prompt_rows(self.seqs.get(d.seq_id)):
-                n += len(d.tokens) - 1
             seq = self.seqs.get(d.seq_id)
+            if self._wants_prompt_rows(seq):
+                n += len(d.tokens) - 1
             argmax_only = seq is not None and seq.req.params.greedy and seq.req.logprobs is None and \
                 not seq.req.prompt_logprobs
             out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only))
