@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+CALL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
 MAT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12, 17)
 
 
@@ -54,6 +55,10 @@ class ServeMetrics:
             "s2d_recomputed_tokens", "Tokens whose KV a replica recomputed because its cache did not hold the prefix "
             "(the sequence moved there, or its row was reclaimed); this router's calls.", ["deployment", "replica"],
             registry=r)
+        self.call_overhead = Histogram(
+            "s2d:call_overhead_seconds", "Per round call to a deployment: wall seconds minus the seconds the replica "
+            "spent on it (Ray transport, batching, event loops): what a served round pays over an in-process one.",
+            ["model", "deployment"], buckets=CALL_BUCKETS, registry=r)
         self.prompt_tokens = Counter("s2d:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self.generation_tokens = Counter("s2d:generation_tokens", "Generated tokens.", m, registry=r)
         self.requests = Counter("s2d:request_success", "Finished requests by finish reason.",

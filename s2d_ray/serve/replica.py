@@ -71,11 +71,14 @@ def recomputed_tokens(table: Any, requests: list[Any], expected: list[int]) -> l
 
 class Counted(NamedTuple):
     """A model call's answer plus what it cost in recomputation, and where it ran (for s2d_recomputed_tokens_total
-    per deployment and replica, counted by the caller so that every call is counted once)."""
+    per deployment and replica, counted by the caller so that every call is counted once); `seconds`: what the
+    replica spent on the batch that served the call (its forwards and the model-thread hop), so the caller can tell
+    the cost of the call itself (transport, batching, queueing) from the model's."""
 
     results: list
     recomputed: int
     replica: str
+    seconds: float = 0.0
 
 
 def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:

@@ -166,12 +166,14 @@ class Router:
         recomputed = self.metrics.recomputed_tokens
         self.affinities.append(Affinity(self.affinity, f"target-{name}", recomputed))
         target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s, self.affinities[-1])
+        target.times.observe = self.metrics.call_overhead.labels(name, "target").observe
         draft = None
         if cfg.uses_draft:
             fallback = self.metrics.draft_fallbacks.labels(name)
             draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
                                 on_fallback=fallback.inc, affinity=Affinity(self.affinity, "draft", recomputed))
             self.affinities.append(draft.affinity)
+            draft.times.observe = self.metrics.call_overhead.labels(name, "draft").observe
         ecfg = cfg.engine_config(name)
         engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
@@ -204,7 +206,8 @@ class Router:
         out: dict = {"router": self.replica, "targets": {}}
         for name, sched in self.schedulers.items():
             dep = await _call_stats(self.target_handles[name])
-            out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting), "deployment": dep}
+            out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting), "deployment": dep,
+                                    "timing": sched.timing()}
         out["draft"] = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
         out["recomputed_tokens"] = self._recomputed()
         return out

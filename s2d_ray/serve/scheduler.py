@@ -10,11 +10,12 @@ speculation resumes after `retry_after_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 import torch
 
@@ -86,6 +87,31 @@ class Affinity:
             self.counter.labels(self.deployment, replica).inc(recomputed)
 
 
+@dataclass
+class CallTimes:
+    """Where a deployment's calls spend their time, seen from the router: the calls' wall seconds and what the
+    replica reported spending on them (`Counted.seconds`: its forwards and model-thread hop). The difference is the
+    price of the call itself (Ray transport, @serve.batch, the replica's event loop), paid once per round."""
+
+    calls: int = 0
+    wall_s: float = 0.0
+    replica_s: float = 0.0
+    observe: Callable[[float], None] | None = None  # e.g. a Prometheus histogram's observe, per call overhead
+
+    def add(self, wall_s: float, replica_s: float) -> None:
+        self.calls += 1
+        self.wall_s += wall_s
+        self.replica_s += replica_s
+        if self.observe is not None and replica_s > 0:
+            self.observe(max(wall_s - replica_s, 0.0))
+
+    def summary(self) -> dict:
+        n = max(self.calls, 1)
+        return {"calls": self.calls, "mean_call_ms": 1e3 * self.wall_s / n,
+                "mean_replica_ms": 1e3 * self.replica_s / n,
+                "mean_overhead_ms": 1e3 * (self.wall_s - self.replica_s) / n}
+
+
 class DraftClient:
     """The engine's drafter: the shared draft deployment, degrading to target-only rounds while it is down.
 
@@ -100,11 +126,13 @@ class DraftClient:
         self.affinity = affinity or Affinity(None, "draft")
         self.down_until = 0.0
         self.releases = Releases()
+        self.times = CallTimes()
 
     async def propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
         if time.monotonic() >= self.down_until:
             aff = self.affinity
             seen = [aff.expected(d.seq_id, d.tokens) for d in drafts]
+            start = time.perf_counter()
             try:
                 reply = await _bounded(self.handle.propose.remote(self.target, drafts, seen, affinity=aff.key),
                                        self.timeout_s)
@@ -113,6 +141,7 @@ class DraftClient:
                                self.retry_after_s)
                 self.down_until = time.monotonic() + self.retry_after_s
             else:
+                self.times.add(time.perf_counter() - start, reply.seconds)
                 aff.record(reply.recomputed, reply.replica)
                 for d, p in zip(drafts, reply.results):
                     # A chain: the drafter ran every proposed token but the last through its first layers; a tree
@@ -136,16 +165,19 @@ class TargetClient:
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
         self.affinity = affinity or Affinity(None, f"target-{name}")
         self.releases = Releases()
+        self.times = CallTimes()
 
     async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
         aff = self.affinity
         seen = [aff.expected(r.seq_id, r.tokens) for r in requests]
+        start = time.perf_counter()
         try:
             reply = await _bounded(self.handle.score.remote(requests, seen, affinity=aff.key), self.timeout_s)
         except asyncio.TimeoutError:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
+        self.times.add(time.perf_counter() - start, reply.seconds)
         aff.record(reply.recomputed, reply.replica)
         for r in requests:  # a tree's nodes are not a sequence: count its prefix only (compacted on the next call)
             aff.computed(r.seq_id, r.tokens if r.parents is None else r.tokens[: len(r.tokens) - len(r.parents)])
@@ -154,6 +186,37 @@ class TargetClient:
     def release(self, seq_id: str) -> None:
         self.affinity.forget(seq_id)
         self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key), "target release")
+
+
+@dataclass
+class RoundTimes:
+    """The round loop's own clock: rounds, their wall seconds, and the gaps between back-to-back rounds (the router's
+    bookkeeping between a round's end and the next one's start: events, admission, its event loop)."""
+
+    rounds: int = 0
+    round_s: float = 0.0
+    gap_s: float = 0.0
+    _last_end: float | None = None
+
+    @contextlib.contextmanager
+    def round(self) -> Iterator[None]:
+        start = time.perf_counter()
+        if self._last_end is not None:
+            self.gap_s += start - self._last_end
+        try:
+            yield
+        finally:
+            self._last_end = time.perf_counter()
+            self.rounds += 1
+            self.round_s += self._last_end - start
+
+    def idle(self) -> None:
+        """No work: the wait for the next request is not a gap between rounds."""
+        self._last_end = None
+
+    def summary(self) -> dict:
+        n = max(self.rounds, 1)
+        return {"rounds": self.rounds, "mean_round_ms": 1e3 * self.round_s / n, "mean_gap_ms": 1e3 * self.gap_s / n}
 
 
 @dataclass
@@ -181,6 +244,16 @@ class TargetScheduler:
         self.cancelled: set[str] = set()
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.rounds = RoundTimes()
+
+    def timing(self) -> dict:
+        """Round and per-call times (ms) for stats: where a served round spends what an in-process round does not."""
+        out = {"round": self.rounds.summary()}
+        for role, client in (("target", self.engine.verifier), ("draft", self.engine.drafter)):
+            times = getattr(client, "times", None)
+            if isinstance(times, CallTimes):
+                out[role] = times.summary()
+        return out
 
     @property
     def num_running(self) -> int:
@@ -216,9 +289,11 @@ class TargetScheduler:
             self.metrics.waiting.labels(self.name).set(len(self.waiting))
             if not self.engine.has_unfinished:
                 self.wake.clear()
+                self.rounds.idle()
                 await self.wake.wait()
                 continue
-            await self._round()
+            with self.rounds.round():
+                await self._round()
 
     async def _round(self) -> None:
         try:

@@ -4,6 +4,7 @@ the core's prefix check; the model lives in the replica (tp_size 1) or in a Deep
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from ray import serve
@@ -86,13 +87,15 @@ class TargetDeployment:
         self.num_calls += len(batches)
         logits: list[torch.Tensor] = []
         recomputed: list[int] = []
+        start = time.perf_counter()
         for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
             out, counts = await self.backend.score(part, part_expected)
             self.num_forwards += 1
             logits += out
             recomputed += counts
         self.recomputed += sum(recomputed)
-        return [Counted(out, sum(counts), self.replica)
+        seconds = time.perf_counter() - start
+        return [Counted(out, sum(counts), self.replica, seconds)
                 for out, counts in zip(split_like(logits, batches), split_like(recomputed, batches))]
 
     async def release(self, seq_id: str, affinity: str | None = None) -> None:
