@@ -20,7 +20,8 @@ from torch import nn
 from ..errors import ModelLoadError, RequestError
 from .cache import SlotKVCache, grown
 from .sampling import logits_to_probs, round_generator, sample
-from .stack import DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups, pending_grid
+from .stack import (PREFILL_CHUNK, DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups,
+                    pending_grid)
 from .types import DraftRequest, Proposal, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -199,8 +200,9 @@ class HiddenStore:
 class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
 
-    def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0) -> None:
+    def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.draft = draft
+        self.prefill_chunk = prefill_chunk  # 0: a prompt in one pass
         self.stack = draft.stack
         self.exit_layers = draft.spec.exit_layers
         self.thresholds = draft.spec.thresholds
@@ -280,6 +282,7 @@ class SortedDrafter:
     def _step(self, states: list[RowState], thresholds: list[Sequence[float]]) -> _StepOut:
         """Advance each row by its last token: lazily fill, exit where confident (by the row's own thresholds);
         logits for the next token. Rows that still have a prompt to fill run apart from the decode rows."""
+        self._fill_long(states)
         groups = length_groups([len(st.tokens) - min(st.filled) for st in states])
         if len(groups) == 1:
             return self._step_rows(states, thresholds)
@@ -290,6 +293,20 @@ class SortedDrafter:
             for j, i in enumerate(group):
                 logits[i], exits[i] = out.logits[j], out.exits[j]
         return _StepOut(torch.stack(logits), exits)
+
+    def _fill_long(self, states: list[RowState]) -> None:
+        """Rows with more than `prefill_chunk` positions to fill first fill KV (every segment) in passes of that many,
+        as the verifier does with a long prompt (TargetVerifier._forward_chunked); the step then runs the rest."""
+        chunk = self.prefill_chunk
+        every_segment = [2.0] * len(self.exit_layers)  # no exit is that confident: a pass fills all segments
+        while chunk:
+            long = [st for st in states if len(st.tokens) - 1 - max(st.filled) > chunk]
+            if not long:
+                return
+            # views share `filled` with the rows, so the passes' progress is theirs
+            views = [RowState(st.row, st.tokens[: max(st.filled) + chunk], st.filled) for st in long]
+            for group in length_groups([len(v.tokens) - min(v.filled) for v in views]):
+                self._step_rows([views[i] for i in group], [every_segment] * len(group))
 
     def _step_rows(self, states: list[RowState], thresholds: list[Sequence[float]]) -> _StepOut:
         """`_step` over rows of similar pending length: one padded forward per segment."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from .cache import causal_allowed
-from .stack import (FREE_WIDTH, LayerStack, PendingTree, RowState, RowTable, common_prefix, decoder_parts,
+from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, common_prefix, decoder_parts,
                     length_groups, pending_grid)
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
@@ -34,7 +35,7 @@ class TargetVerifier:
     same requests and rank 0's logits are the answer.
     """
 
-    def __init__(self, model: nn.Module, share_prefixes: bool = True) -> None:
+    def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)])
@@ -42,6 +43,7 @@ class TargetVerifier:
         self.table = RowTable(1, self.cache)
         self.vocab_size = model.config.vocab_size
         self.share_prefixes = share_prefixes
+        self.prefill_chunk = prefill_chunk  # 0: every row's positions in one pass
 
     @torch.no_grad()
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
@@ -73,14 +75,39 @@ class TargetVerifier:
                     starts[i] = self.table.fork(requests[i].seq_id, len(requests[i].tokens) - requests[i].num_logits)
             for sub_group in length_groups([ends[i] - starts[i] + 1 for i in batch]):  # prompts apart from decode rows
                 group = [batch[j] for j in sub_group]
-                hidden = self._forward([requests[i] for i in group], [states[i] for i in group],
-                                       [starts[i] for i in group], [ends[i] for i in group])
-                for j, i in enumerate(group):
-                    n = ends[i] - starts[i] + 1
-                    picked[i] = hidden[j, n - requests[i].num_logits : n]
+                hidden = self._forward_chunked([requests[i] for i in group], [states[i] for i in group],
+                                               [starts[i] for i in group], [ends[i] for i in group])
+                for h, i in zip(hidden, group):
+                    picked[i] = h[len(h) - requests[i].num_logits :]
                     _computed(states[i], requests[i])
         logits = widen(self.stack.logits(torch.cat(picked)))  # one LM-head matmul for the whole batch
         return list(logits.split([req.num_logits for req in requests]))
+
+    def _forward_chunked(self, requests: list[ScoreRequest], states: list, starts: list[int],
+                         ends: list[int]) -> list[torch.Tensor]:
+        """Hidden states [positions, h] per row; a row with more than `prefill_chunk` positions runs its leading
+        positions in passes of at most that many (plain causal, KV only), then a last pass with the rest (a tree's
+        nodes always in the last). Attention over a long prompt in one pass builds [heads, n, n] scores that fall out
+        of cache: on this CPU a 1000-token prompt takes 2.9 s in one pass and 1.0 s in passes of 250 (the matmuls are
+        the same; BENCHMARKS.md). It is also what bounds the positions a prompt adds to a round."""
+        chunk, starts = self.prefill_chunk, list(starts)
+        parts: list[list[torch.Tensor]] = [[] for _ in requests]
+        while chunk:
+            last = [_last_pass_start(r, s, e, chunk) for r, s, e in zip(requests, starts, ends)]
+            lead = [i for i in range(len(requests)) if last[i] > starts[i]]
+            if not lead:
+                break
+            cut = [min(starts[i] + chunk, last[i]) - 1 for i in lead]
+            views = [replace(requests[i], tokens=requests[i].tokens[: c + 1], parents=None) for i, c in zip(lead, cut)]
+            hidden = self._forward(views, [states[i] for i in lead], [starts[i] for i in lead], cut)
+            for j, (i, c) in enumerate(zip(lead, cut)):
+                if c > ends[i] - requests[i].num_logits:  # prompt logprobs: some of these positions are wanted
+                    parts[i].append(hidden[j, : c - starts[i] + 1])
+                starts[i] = c + 1
+        hidden = self._forward(requests, states, starts, ends)
+        for j in range(len(requests)):
+            parts[j].append(hidden[j, : ends[j] - starts[j] + 1])
+        return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
 
     def _forward(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int]) -> torch.Tensor:
         """One padded forward over these rows' positions start..end; hidden states [rows, width, h]."""
@@ -99,6 +126,12 @@ class TargetVerifier:
     @property
     def num_active(self) -> int:
         return len(self.table)
+
+
+def _last_pass_start(req: ScoreRequest, start: int, end: int, chunk: int) -> int:
+    """First position of a row's last pass: at most `chunk` positions, but every tree node in it."""
+    first = max(start, end + 1 - chunk)
+    return min(first, len(req.tokens) - len(req.parents)) if req.parents else first
 
 
 def _computed(st: RowState, req: ScoreRequest) -> None:
