@@ -78,7 +78,9 @@ class DraftCapacity:
     def hold_until(self, waiting: set, opened: float, now: float) -> float | None:
         """When a batch whose calls come from `waiting`, ready since `opened`, may stop waiting; None: run now.
 
-        Awaited: every other stream due within its window from `opened` and not late past its slack. A stream that
+        Awaited: every other stream due within its window from `opened`, not late past its slack, and steady enough
+        (slack within one forward: a caller that skips the draft in some rounds comes back at no predictable time,
+        and waiting for it would only delay this batch). A stream that
         left with one of the waiting calls is due later by its steadily longer away time, a wait paid every round:
         its window is `wait_fraction` of one forward (what merging saves). Any other stream is out of phase: one
         wait up to the cap aligns it, and from then on it leaves and comes back with the others. The hold lasts
@@ -89,8 +91,8 @@ class DraftCapacity:
         until = None
         for key, s in self.streams.items():
             due = s.due()
-            if key in waiting or due is None or now >= due + s.slack():
-                continue
+            if key in waiting or due is None or now >= due + s.slack() or s.slack() > steady:
+                continue  # arrived, unknown, late, or too erratic to predict within a forward
             end = opened + (steady if s.batch in batches else align)
             if due <= end:
                 stop = min(end, due + s.slack())

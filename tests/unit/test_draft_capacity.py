@@ -84,6 +84,14 @@ def test_hold_is_capped_and_jitter_widens_the_slack():
     assert b.jitter_s > 0.001
     noisy.answered(["a", "b"], 1.0)
     assert noisy.hold_until({"a"}, b.due() - 0.005, b.due()) == pytest.approx(b.due() + 2 * b.jitter_s)
+    erratic = twenty_ms_forwards()
+    for t, away in ((0.0, 0.05), (0.2, 0.15), (0.4, 0.05), (0.6, 0.15)):  # b drafts every other round only
+        erratic.answered(["a", "b"], t)
+        erratic.arrive("b", t + away)
+    erratic.answered(["a", "b"], 1.0)
+    assert erratic.streams["b"].slack() > 0.02
+    due = erratic.streams["b"].due()
+    assert erratic.hold_until({"a"}, due - 0.005, due - 0.005) is None  # slack past one forward: not awaited
 
 
 def simulate(wait_fraction: float, rounds: int = 300, seed: int = 0) -> tuple[float, float]:
