@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable
 
 EMA = 0.2  # weight of the newest sample in the forward-time, away-time and jitter averages
-MIN_SLACK_S = 0.001  # a due stream is awaited at least this long past its predicted arrival
+MIN_SLACK_S = 0.001
+GAP = 2.0  # a caller away longer than this many times its mean skipped rounds: not a sample of its rhythm  # a due stream is awaited at least this long past its predicted arrival
 
 
 @dataclass
@@ -65,9 +66,12 @@ class DraftCapacity:
         if s.answered is None:
             return
         away = now - s.answered
-        if s.away_s is not None:
+        if s.away_s is None:
+            s.away_s = away
+        elif away <= GAP * s.away_s:
             s.jitter_s = (1 - EMA) * s.jitter_s + EMA * abs(away - s.away_s)
-        s.away_s = away if s.away_s is None else (1 - EMA) * s.away_s + EMA * away
+            s.away_s = (1 - EMA) * s.away_s + EMA * away
+        # else: the caller skipped the draft for some rounds (plain decoding, no work): back to its usual rhythm
 
     def answered(self, streams: list[Hashable], now: float) -> None:
         self._batches += 1
@@ -79,8 +83,8 @@ class DraftCapacity:
         """When a batch whose calls come from `waiting`, ready since `opened`, may stop waiting; None: run now.
 
         Awaited: every other stream due within its window from `opened`, not late past its slack, and steady enough
-        (slack within one forward: a caller that skips the draft in some rounds comes back at no predictable time,
-        and waiting for it would only delay this batch). A stream that
+        (slack within one forward: a caller whose away time varies more comes back at no predictable time, and
+        waiting for it would only delay this batch). A stream that
         left with one of the waiting calls is due later by its steadily longer away time, a wait paid every round:
         its window is `wait_fraction` of one forward (what merging saves). Any other stream is out of phase: one
         wait up to the cap aligns it, and from then on it leaves and comes back with the others. The hold lasts
@@ -134,6 +138,8 @@ class DraftCapacity:
             "queue_delay_s": self.queue_delay_s, "num_holds": self.num_holds, "hold_s": self.hold_s,
             "mean_queue_delay_s": self.queue_delay_s / self.num_calls if self.num_calls else 0.0,
             "forward_s": self.forward_s, "batch_wait_timeout_s": self.wait_s, "uptime_s": now - self.started,
+            "streams": {"/".join(map(str, k)) if isinstance(k, tuple) else str(k):
+                        {"away_s": s.away_s, "jitter_s": s.jitter_s} for k, s in self.streams.items()},
         }
 
 

@@ -85,13 +85,19 @@ def test_hold_is_capped_and_jitter_widens_the_slack():
     noisy.answered(["a", "b"], 1.0)
     assert noisy.hold_until({"a"}, b.due() - 0.005, b.due()) == pytest.approx(b.due() + 2 * b.jitter_s)
     erratic = twenty_ms_forwards()
-    for t, away in ((0.0, 0.05), (0.2, 0.15), (0.4, 0.05), (0.6, 0.15)):  # b drafts every other round only
+    for t, away in ((0.0, 0.05), (0.2, 0.09), (0.4, 0.05), (0.6, 0.09)):  # b comes back at no steady time
         erratic.answered(["a", "b"], t)
         erratic.arrive("b", t + away)
     erratic.answered(["a", "b"], 1.0)
     assert erratic.streams["b"].slack() > 0.02
     due = erratic.streams["b"].due()
     assert erratic.hold_until({"a"}, due - 0.005, due - 0.005) is None  # slack past one forward: not awaited
+    paused = twenty_ms_forwards()
+    learned(paused, {"a": 0.04, "b": 0.05}, 1.0)
+    paused.arrive("b", 2.5)  # b decoded without the draft for 1.5 s, then came back
+    paused.answered(["a", "b"], 2.52)
+    assert paused.streams["b"].jitter_s == pytest.approx(0.0, abs=1e-12)  # a pause is not jitter ...
+    assert paused.streams["b"].due() == pytest.approx(2.57)  # ... nor its rhythm
 
 
 def simulate(wait_fraction: float, rounds: int = 300, seed: int = 0) -> tuple[float, float]:
