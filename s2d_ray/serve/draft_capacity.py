@@ -83,7 +83,7 @@ class DraftCapacity:
         """When a batch whose calls come from `waiting`, ready since `opened`, may stop waiting; None: run now.
 
         Awaited: every other stream due within its window from `opened`, not late past its slack, and steady enough
-        (slack within one forward: a caller whose away time varies more comes back at no predictable time, and
+        (slack within the window: a caller whose away time varies more comes back at no predictable time, and
         waiting for it would only delay this batch). A stream that
         left with one of the waiting calls is due later by its steadily longer away time, a wait paid every round:
         its window is `wait_fraction` of one forward (what merging saves). Any other stream is out of phase: one
@@ -95,10 +95,11 @@ class DraftCapacity:
         until = None
         for key, s in self.streams.items():
             due = s.due()
-            if key in waiting or due is None or now >= due + s.slack() or s.slack() > steady:
-                continue  # arrived, unknown, late, or too erratic to predict within a forward
-            end = opened + (steady if s.batch in batches else align)
-            if due <= end:
+            if key in waiting or due is None or now >= due + s.slack():
+                continue  # arrived, unknown, or late
+            window = steady if s.batch in batches else align
+            if due <= opened + window and s.slack() <= window:  # due, and predictable within the window
+                end = opened + window
                 stop = min(end, due + s.slack())
                 until = stop if until is None else max(until, stop)
         return None if until is None or until <= now else until
