@@ -82,13 +82,13 @@ class DraftCapacity:
     def hold_until(self, waiting: set, opened: float, now: float) -> float | None:
         """When a batch whose calls come from `waiting`, ready since `opened`, may stop waiting; None: run now.
 
-        Awaited: every other stream due within its window from `opened`, not late past its slack, and steady enough
-        (slack within the window: a caller whose away time varies more comes back at no predictable time, and
-        waiting for it would only delay this batch). A stream that
-        left with one of the waiting calls is due later by its steadily longer away time, a wait paid every round:
-        its window is `wait_fraction` of one forward (what merging saves). Any other stream is out of phase: one
-        wait up to the cap aligns it, and from then on it leaves and comes back with the others. The hold lasts
-        until the last awaited stream is due plus its slack, within its window."""
+        A stream that left with one of the waiting calls is due later by its steadily longer away time, a wait paid
+        every round: its window is `wait_fraction` of one forward (what merging saves). Any other stream is out of
+        phase: one wait up to the cap aligns it, and from then on it leaves and comes back with the others. Awaited:
+        every other stream due within its window from `opened`, not late past its slack, and steady enough (slack
+        within the window: a caller whose away time varies more comes back at no predictable time, and waiting for
+        it would only delay this batch). The hold lasts until the last awaited stream is due plus its slack, within
+        its window."""
         steady = min(self.max_wait_s, self.wait_fraction * self.forward_s)
         align = self.max_wait_s if self.wait_fraction > 0 else 0.0
         batches = {self.streams[k].batch for k in waiting if k in self.streams}
