@@ -133,7 +133,7 @@ def test_the_window_self_aligns_callers_into_shared_forwards():
     """Merged forwards release their callers together and similar away times bring them back together: with the
     window most forwards are shared (callers that drift out of phase are pulled back by one wait up to the cap);
     without it (the draft mostly idle) callers seldom meet, and the draft works more per round. A window of one
-    forward alone (no aligning) left callers locked 20-30 ms apart: 43-67 % shared over these seeds."""
+    forward alone (no aligning) left callers locked 20-30 ms apart: 54-71 % shared over seeds 0-4."""
     for seed in range(3):
         shared, busy = simulate(wait_fraction=1.0, seed=seed)
         alone, busy_alone = simulate(wait_fraction=0.0, seed=seed)
