@@ -12,14 +12,17 @@ answered by the same forward leave together and, with similar away times, come b
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable
 
+logger = logging.getLogger(__name__)
+
 EMA = 0.2  # weight of the newest sample in the forward-time, away-time and jitter averages
-MIN_SLACK_S = 0.001
-GAP = 2.0  # a caller away longer than this many times its mean skipped rounds: not a sample of its rhythm  # a due stream is awaited at least this long past its predicted arrival
+MIN_SLACK_S = 0.001  # a due stream is awaited at least this long past its predicted arrival
+GAP = 2.0  # a caller away longer than this many times its mean skipped rounds: not a sample of its rhythm
 
 
 @dataclass
@@ -176,7 +179,10 @@ class MergeQueue:
 
     async def _drain(self) -> None:
         while self.pending:
-            await self._hold()
+            try:
+                await self._hold()
+            except Exception:  # the window is an optimisation: a fault in it must never strand the queued calls
+                logger.exception("merge window failed; drafting the queued calls now")
             batch, self.pending = self.pending[:self.max_calls], self.pending[self.max_calls:]
             batch = [c for c in batch if not c.future.done()]  # callers that gave up (cancelled) are skipped
             if not batch:

@@ -196,6 +196,21 @@ def test_merge_queue_runs_alone_when_the_awaited_call_is_late_and_passes_errors_
     assert 0.04 < held < 0.5 and error == "bad row"
 
 
+def test_merge_queue_drafts_even_when_the_window_fails():
+    class Broken(DraftCapacity):
+        def hold_until(self, waiting: set, opened: float, now: float) -> float | None:
+            raise ZeroDivisionError("a bug in the window")
+
+    async def main() -> list:
+        async def run_batch(items: list) -> list:
+            return items
+
+        queue = MergeQueue(Broken(max_wait_s=0.05), run_batch, max_calls=4)
+        return await asyncio.wait_for(asyncio.gather(queue.submit("a", 1), queue.submit("b", 2)), 5.0)
+
+    assert asyncio.run(main()) == [1, 2]
+
+
 def test_stats_count_merges_busy_fraction_and_queueing():
     cap = DraftCapacity(max_wait_s=0.05)
     t0 = cap.started
