@@ -129,8 +129,8 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
     batch_wait_timeout_s: float = Field(
         0.05, ge=0, description="Most a batch of propose calls is held open for other targets' rounds. The window "
         "adapts below it: a batch waits only for callers whose next round is predicted (from their measured time "
-        "away between rounds) within `batch_wait_fraction` of one measured draft forward, and runs as soon as they "
-        "arrive; with one caller active it never waits.",
+        "away between rounds) within `batch_wait_fraction` of one measured draft forward, or within this cap for a "
+        "caller out of phase (one wait aligns it), and runs as soon as they arrive; one caller alone never waits.",
     )
     batch_wait_fraction: float = Field(
         1.0, ge=0, le=1, description="Share of one measured draft forward a batch may wait for another caller's "

@@ -1,12 +1,12 @@
 """How loaded the shared draft replica is, and when a batch of propose calls should wait for another target's round.
 
 Every caller (one target's decode loop in one router: a *stream*) sends one propose call per round and, once
-answered, stays away for its verification and bookkeeping before the next one. That away time is steady round to
-round, so the next call of each stream is predictable: answered at + mean away time. The window opens only for
-streams whose next call is due within `wait_fraction` of one measured draft forward (capped by `max_wait_s`): merging
-such a call saves it a forward of its own (and a wait behind ours), which costs more than the wait. It closes as soon
-as every awaited stream has arrived, or one is late past its measured jitter. One stream alone never waits. Streams
-answered by the same forward leave together and, with similar away times, come back together: merging self-aligns.
+answered, stays away for its verification and bookkeeping before the next one. The draft measures each stream's away
+time and its jitter, so it can predict the stream's next call. A batch waits only for streams due soon and steady
+enough to be predicted: within `wait_fraction` of one measured forward for a stream that left with the batch (merging
+saves it a forward of its own), within the cap `max_wait_s` for a stream out of phase (one wait aligns it: streams
+answered by the same forward leave together and, with similar away times, come back together). The batch runs as
+soon as every awaited stream has arrived, or one is late past its jitter. One stream alone never waits.
 """
 
 from __future__ import annotations
