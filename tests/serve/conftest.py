@@ -185,8 +185,8 @@ def real_tp_app(serve_instance):
 
 @pytest.fixture(scope="module")
 def faults_app(serve_instance, tiny_family):
-    """A separate app whose replicas tests may kill: a tiny target, a TP-2 target and the draft (slowed so a kill
-    lands mid-request: a round's propose waits 50 ms for the other target's, which does not come)."""
+    """A separate app whose replicas tests may kill: a tiny target, a TP-2 target and the draft (a lone target's
+    rounds never wait at the draft, so the tests look a replica up before the request whose rounds the kill hits)."""
     from s2d_ray.serve import build_app
 
     cfg = {
