@@ -87,9 +87,9 @@ async def run_capacity(run: CapacityRun, prompts: list[str]) -> dict:
                 t0 = time.perf_counter()
                 results = await run_level(client, load, n * c, prompts, models)
                 wall = time.perf_counter() - t0
-                draft = draft_delta(before, await _draft_stats(client, run.load.url), n)
+                after = await _draft_stats(client, run.load.url)
                 levels.append({"targets": n, "per_target": c, **level_summary(n * c, results, wall),
-                               "draft": draft})
+                               "draft": draft_delta(before, after, n), "streams": after.get("streams")})
     settings = {**asdict(run.load), "api_key": "***" if run.load.api_key else None, "targets": run.targets}
     return {"machine": machine_info(), "run": settings, "levels": levels, "load_average_end": load_average()}
 

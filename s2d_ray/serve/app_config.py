@@ -127,12 +127,14 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
     )
     batch_wait_timeout_s: float = Field(
-        0.05, ge=0, description="Most a propose call waits for other targets' rounds; the window adapts: 0 while only "
-        "one target is active, else `batch_wait_fraction` of the measured draft forward time, up to this cap.",
+        0.05, ge=0, description="Most a batch of propose calls is held open for other targets' rounds. The window "
+        "adapts below it: a batch waits only for callers whose next round is predicted (from their measured time "
+        "away between rounds) within `batch_wait_fraction` of one measured draft forward, or within this cap for a "
+        "caller out of phase (one wait aligns it), and runs as soon as they arrive; one caller alone never waits.",
     )
     batch_wait_fraction: float = Field(
-        1.0, ge=0, le=1, description="Share of one measured draft forward a call may wait for other targets' rounds "
-        "(1.0: the tiny-model serve test merged 34% of draft forwards at 0.5 and over half at 1.0)."
+        1.0, ge=0, le=1, description="Share of one measured draft forward a batch may wait for another caller's "
+        "predicted round: merging saves that caller a forward of its own, worth about a forward (BENCHMARKS.md §3c)."
     )
 
 

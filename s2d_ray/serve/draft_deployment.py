@@ -1,5 +1,7 @@
 """The ONE sorted-draft deployment every target shares: concurrent propose calls from all targets merge into one
-batched draft forward (`@serve.batch`); KV per sequence id, checked against the token prefix of every call."""
+batched draft forward (`draft_capacity.MergeQueue`, which holds a batch open for another target's round only when
+that round is due within a share of one forward); KV per sequence id, checked against the token prefix of every
+call."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
 from .app_config import AppConfig
 from .draft_autoscale import BUSY_METRIC
-from .draft_capacity import DraftCapacity
+from .draft_capacity import DraftCapacity, MergeQueue
 from .replica import (
     Counted, IdleSequences, ModelThread, chunks, recomputed_tokens, replica_id, split_like,
     target_window,
@@ -75,29 +77,26 @@ class DraftDeployment:
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
         self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
-        self._propose_batch.set_max_batch_size(cfg.draft.max_batch_size)
-        # The configured wait is now the cap of an adaptive window (0 while only one target is active).
+        # The configured wait is the cap of an adaptive window (0 unless another caller's round is due soon).
         self.capacity = DraftCapacity(cfg.draft.batch_wait_timeout_s, cfg.draft.batch_wait_fraction)
+        self.queue = MergeQueue(self.capacity, self._propose_batch, cfg.draft.max_batch_size)
         logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s",
                     cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target),
                     sorted(self.thresholds))
 
     async def propose(self, target: str, batch: list[DraftRequest], seen: list[int],
                       affinity: str | None = None) -> Counted:
-        """One call per (target, round): sets the batching window for the batch this call may open, then joins it.
+        """One call per (target, round) of one router: queued for the next batch, which may wait for other callers.
 
         seen: per request, how many leading tokens an earlier round already drafted over (what this replica should
-        hold); affinity: the caller's routing key (read by the request router, not here). The call gets its
+        hold); affinity: the caller's routing key (also read by the request router). A caller is a (target,
+        affinity) stream: its rounds come one after another, so the queue predicts its next call. The call gets its
         proposals and the tokens this replica recomputed for it."""
-        now = time.monotonic()
-        self.capacity.num_calls += 1
-        self._propose_batch.set_batch_wait_timeout_s(self.capacity.arrive(target, now))
-        return await self._propose_batch(target, batch, seen, now)
+        return await self.queue.submit((target, affinity), (target, batch, seen, time.monotonic()))
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
-    async def _propose_batch(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],
-                             arrivals: list[float]) -> list[Counted]:
-        """Calls that arrive together are drafted in one forward per drafter (per set of exit layers)."""
+    async def _propose_batch(self, calls: list[tuple[str, list[DraftRequest], list[int], float]]) -> list[Counted]:
+        """Calls batched together are drafted in one forward per drafter (per set of exit layers)."""
+        targets, batches, seen, arrivals = (list(x) for x in zip(*calls))
         return await self.thread.run(self._propose_sync, targets, batches, seen, arrivals)
 
     def _propose_sync(self, targets: list[str], batches: list[list[DraftRequest]], seen: list[list[int]],

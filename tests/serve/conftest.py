@@ -185,8 +185,10 @@ def real_tp_app(serve_instance):
 
 @pytest.fixture(scope="module")
 def faults_app(serve_instance, tiny_family):
-    """A separate app whose replicas tests may kill: a tiny target, a TP-2 target and the draft (slowed so a kill
-    lands mid-request: a round's propose waits 50 ms for the other target's, which does not come)."""
+    """A separate app whose replicas tests may kill: a tiny target, a TP-2 target and the draft. A lone target's
+    propose calls are short (they never wait at the draft), so a kill seldom hits one in flight, and Serve holds the
+    next calls until a replacement replica is up (seconds): a 2 s draft call timeout makes those rounds fall back
+    to target-only, as a real outage would after `call_timeout_s`."""
     from s2d_ray.serve import build_app
 
     cfg = {
@@ -196,7 +198,8 @@ def faults_app(serve_instance, tiny_family):
              "tp_worker_cpus": 0.25, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0},
         ],
         "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", "num_cpus": 0.25, "retry_after_s": 0.5,
-                  "max_batch_size": 2, "batch_wait_timeout_s": 0.05, "health_check_period_s": 1.0},
+                  "call_timeout_s": 2.0, "max_batch_size": 2, "batch_wait_timeout_s": 0.05,
+                  "health_check_period_s": 1.0},
         "spec": {"mode": "s2d", "policy": "fixed", "k": 3},
         "router": {"num_cpus": 0.25},
         "num_threads": 1,

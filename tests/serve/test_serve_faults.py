@@ -29,6 +29,7 @@ def test_draft_death_mid_request_is_lossless_and_speculation_resumes(faults_app,
     assert len(expected) == 64
     body = {"model": "tiny-a", "prompt": prompt_ids, "max_tokens": 64, "temperature": 0, "stream": True}
     chunks = []
+    draft = replica_actor("faults", "draft")  # looked up first: the kill must land while the request's rounds run
     with httpx.stream("POST", f"{faults_app.url}/v1/completions", content=json.dumps(body),
                       headers={"content-type": "application/json"}, timeout=HTTP_TIMEOUT) as resp:
         lines = resp.iter_lines()
@@ -36,7 +37,7 @@ def test_draft_death_mid_request_is_lossless_and_speculation_resumes(faults_app,
             if line.startswith("data: "):
                 chunks.append(json.loads(line[6:]))
                 break
-        ray.kill(replica_actor("faults", "draft"), no_restart=True)  # the draft dies while the request runs
+        ray.kill(draft, no_restart=True)  # the draft dies while the request runs
         chunks += [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ") and ln != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text(expected)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
