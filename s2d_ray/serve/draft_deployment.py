@@ -112,11 +112,12 @@ class DraftDeployment:
             recomputed = split_like(recomputed_tokens(drafter.table, flat, [n for i in idx for n in seen[i]]), group)
             start = time.monotonic()
             proposals = [p for part in chunks(flat, self.max_rows) for p in drafter.propose(part)]
-            self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start,
-                                  time.monotonic())
+            end = time.monotonic()
+            self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start, end)
             for i, props, counts in zip(idx, split_like(proposals, group), recomputed):
                 self.recomputed += sum(counts)
-                results[i] = Counted(props, sum(counts), self.replica)
+                # seconds: arrival to answer here (the merge hold and the forward), so the caller sees transport
+                results[i] = Counted(props, sum(counts), self.replica, end - arrivals[i])
         return results  # type: ignore[return-value]
 
     def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
