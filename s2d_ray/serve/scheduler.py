@@ -249,7 +249,9 @@ class TargetScheduler:
     def timing(self) -> dict:
         """Round and per-call times (ms) for stats: where a served round spends what an in-process round does not."""
         out = {"round": self.rounds.summary()}
-        for role, client in (("target", self.engine.verifier), ("draft", self.engine.drafter)):
+        drafter = self.engine.drafter
+        drafter = getattr(drafter, "draft", drafter)  # a TreeDrafter wraps the draft client with free lookup
+        for role, client in (("target", self.engine.verifier), ("draft", drafter)):
             times = getattr(client, "times", None)
             if isinstance(times, CallTimes):
                 out[role] = times.summary()
