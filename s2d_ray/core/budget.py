@@ -21,11 +21,13 @@ MAX_LOOKUP_DEPTH = 32
 
 @dataclass(frozen=True)
 class TreeShape:
-    """What a tree may hold: `width` draft candidates per depth, lookup candidates, at most `max_nodes` nodes."""
+    """What a tree may hold: `width` draft candidates per node, lookup candidates, at most `max_nodes` nodes;
+    `frontier`: nodes the draft expands per depth (1: the top-1 spine, its siblings stay leaves)."""
 
     width: int = 1
     lookup: bool = False
     max_nodes: int = 24
+    frontier: int = 1
 
 
 class AcceptanceModel:

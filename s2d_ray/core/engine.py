@@ -139,13 +139,15 @@ class SpecEngine:
         if self.budget is not None and self.budget.load_aware and self.drafter is not None:
             plan = self.budget.plan(len(live), 0)
         width = self.budget.shape.width if self.trees else 1
+        frontier = self.budget.shape.frontier if self.trees else 1
         min_score = plan.min_score if plan is not None else 0.0
         drafts = []
         for seq in live:
             k = seq.k if plan is None else plan.depth
             k = max(0, min(k, self._remaining(seq))) if self.drafter is not None and seq.req.speculate else 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
-                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score))
+                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
+                                       frontier=frontier))
         return live, drafts
 
     def _remaining(self, seq: _Sequence) -> int:
