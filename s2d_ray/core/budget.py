@@ -156,7 +156,7 @@ class SpeculationBudget:
             return
         self.acceptance.observe(tree, path)
         depths = tree.depths()
-        drafted_first = [i for i, (d, e) in enumerate(zip(depths, tree.exits)) if d == 1 and e != LOOKUP]
+        drafted_first = [i for i, (d, s) in enumerate(zip(depths, tree.scores)) if d == 1 and s > 0]  # drafted: q > 0
         if drafted_first:
             self._first_hit[0] += float(bool(path) and path[0] in drafted_first)
             self._first_hit[1] += 1

@@ -25,7 +25,7 @@ from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
 from .target import Verifier
-from .tree import LOOKUP, TokenTree, accept_tree
+from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
 
 
@@ -320,8 +320,8 @@ class SpecEngine:
         """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
         node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
-            depth = max((max((d for d, e in zip(_as_tree(p).depths(), p.exits) if e != LOOKUP), default=0)
-                         for p in proposals), default=0)
+            trees = [_as_tree(p) for p in proposals]  # drafted nodes have q > 0 (lookup-only nodes score 0)
+            depth = max((max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees), default=0)
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
                                       depth, verify)
         return outputs

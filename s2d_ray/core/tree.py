@@ -47,10 +47,14 @@ class TokenTree:
         return None
 
     def add(self, parent: int, token: int, exit_layer: int, score: float) -> int:
-        """Add a node (or merge into an existing sibling with the same token, keeping the higher score)."""
+        """Add a node (or merge into an existing sibling with the same token, keeping the higher score; a lookup
+        candidate merged into a draft node marks it LOOKUP, so the budget values it by both sources, not the draft's
+        alone, and the lookup chain below it is not cut by the draft node's lower estimate)."""
         same = self.child(parent, token)
         if same is not None:
             self.scores[same] = max(self.scores[same], score)
+            if exit_layer == LOOKUP:
+                self.exits[same] = LOOKUP
             return same
         self.tokens.append(token)
         self.parents.append(parent)

@@ -314,3 +314,18 @@ def test_frontier_tree_sampling_follows_target_distribution():
         accepted_deep += len(res.metrics["num_accepted_tokens_per_pos"]) >= 2
     assert tv(counts / n, exact) < 0.06
     assert accepted_deep > 0  # depth-2 nodes (the frontier's) were accepted, so they were tested
+
+
+def test_a_lookup_chain_merged_into_draft_nodes_keeps_its_value():
+    """Frontier trees hold many draft nodes, so lookup chains often merge into them: the merged node must be valued
+    as a lookup candidate too, or the lookup chain below it is cut by the draft node's low estimate."""
+    from s2d_ray.core.budget import AcceptanceModel
+    from s2d_ray.core.tree import LOOKUP, TokenTree
+
+    tree = TokenTree()
+    tree.add(-1, 5, 2, 0.03)  # a draft node the draft barely believes in
+    tree.add_path([5, 6, 7], [LOOKUP] * 3, [0.0] * 3)
+    model = AcceptanceModel()
+    est = model.estimate(tree)
+    assert len(tree) == 3 and tree.exits[0] == LOOKUP and tree.scores[0] == 0.03
+    assert est[2] == pytest.approx(model._lookup_p(3))
