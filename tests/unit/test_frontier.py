@@ -329,3 +329,15 @@ def test_a_lookup_chain_merged_into_draft_nodes_keeps_its_value():
     est = model.estimate(tree)
     assert len(tree) == 3 and tree.exits[0] == LOOKUP and tree.scores[0] == 0.03
     assert est[2] == pytest.approx(model._lookup_p(3))
+
+
+def test_keep_breaks_ties_of_binned_estimates_by_path_probability():
+    """Two nodes with the same (binned) estimate: the one the draft believes more is kept, not the first in order."""
+    from s2d_ray.core.tree import TokenTree
+
+    tree = TokenTree()
+    a = tree.add(-1, 5, 1, 0.9)
+    tree.add(-1, 6, 1, 0.21)  # same bin as the deeper node below, lower path probability
+    tree.add(a, 7, 1, 0.29)
+    kept = tree.keep(2, rank=[0.5, 0.2, 0.2])
+    assert kept.tokens == [5, 7]
