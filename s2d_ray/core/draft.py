@@ -229,6 +229,8 @@ class SortedDrafter:
         probabilities."""
         self._commit_trees(requests)
         states = self.table.sync_batch([(r.seq_id, r.tokens) for r in requests])
+        for seq_id in [s for s, (st, _) in self.trees.items() if self.table.states.get(s) is not st]:
+            del self.trees[seq_id]  # its row was evicted (the sequence went elsewhere): nothing left to compact
         for st in states:  # the last token is always re-run: its logits start the draft (a retried round sends the
             st.filled = [min(f, len(st.tokens) - 1) for f in st.filled]  # same tokens again, already all in KV)
         props = [Proposal([], None, [], [], []) if r.tree else Proposal.empty() for r in requests]

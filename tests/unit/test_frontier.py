@@ -341,3 +341,34 @@ def test_keep_breaks_ties_of_binned_estimates_by_path_probability():
     tree.add(a, 7, 1, 0.29)
     kept = tree.keep(2, rank=[0.5, 0.2, 0.2])
     assert kept.tokens == [5, 7]
+
+
+def test_frontier_is_configuration_from_flags_profiles_and_bench_names():
+    """`spec.frontier` reaches the budget's tree shape; a calibration profile sets it unless the user did; bench rows
+    name it `f<N>`."""
+    from s2d_ray.bench.methods import parse_shape
+    from s2d_ray.build import effective_spec, make_speculation
+    from s2d_ray.config import EngineConfig, SpecConfig
+
+    _, budget = make_speculation(SpecConfig(width=3, lookup=True, frontier=4), None, None)
+    assert budget.shape.frontier == 4
+    assert effective_spec(EngineConfig(), {"frontier": 3}).frontier == 3
+    assert effective_spec(EngineConfig(spec=SpecConfig(frontier=2)), {"frontier": 3}).frontier == 2
+    assert parse_shape("tree3+f4") == {"width": 3, "frontier": 4}
+
+
+def test_an_evicted_sequence_leaves_no_pending_tree_and_recomputes_exactly(target):
+    """With one row, a second sequence evicts the first: its pending tree is dropped (nothing stale is compacted into
+    the new owner's row) and when the first returns it recomputes, proposing what a fresh drafter proposes."""
+    draft = noisy_draft(target, thresholds=MIXED)
+    drafter = SortedDrafter(draft)
+    drafter.table.set_limits(1)
+    a, b = random_prompts(2, seed=50, lo=8, hi=12)
+    shape = dict(k=3, tree=True, width=3, frontier=2)
+    prop = drafter.propose([DraftRequest("a", a, **shape)])[0]
+    drafter.propose([DraftRequest("b", b, **shape)])
+    assert set(drafter.trees) == {"b"}
+    again = a + [prop.tokens[n] for n in off_spine_paths(prop)[0]] + [5]
+    got = drafter.propose([DraftRequest("a", again, **shape)])[0]
+    fresh = SortedDrafter(draft).propose([DraftRequest("a", again, **shape)])[0]
+    assert got.tokens == fresh.tokens and got.scores == pytest.approx(fresh.scores, abs=1e-12)
