@@ -372,3 +372,14 @@ def test_an_evicted_sequence_leaves_no_pending_tree_and_recomputes_exactly(targe
     got = drafter.propose([DraftRequest("a", again, **shape)])[0]
     fresh = SortedDrafter(draft).propose([DraftRequest("a", again, **shape)])[0]
     assert got.tokens == fresh.tokens and got.scores == pytest.approx(fresh.scores, abs=1e-12)
+
+
+def test_frontier_trees_with_chunked_draft_prefill_equal_target_greedy(target):
+    """Long prompts fill the draft's KV in chunks (every segment) before the root step; frontier rounds after that
+    (and their lazy fill of deeper segments) stay exact."""
+    drafter = TreeDrafter(SortedDrafter(noisy_draft(target, thresholds=MIXED), prefill_chunk=5), None)
+    shape = TreeShape(width=3, max_nodes=16, frontier=3)
+    engine = SpecEngine(TargetVerifier(target), drafter, FixedK(4), budget=SpeculationBudget(shape, None, 6))
+    prompts = random_prompts(4, seed=60, lo=12, hi=40)
+    for p, r in zip(prompts, run(engine, prompts, 24, batch=True)):
+        assert r.token_ids == reference_greedy(target, p, 24)
