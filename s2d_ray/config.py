@@ -61,6 +61,9 @@ class SpecConfig(_Strict):
     max_k: int = Field(16, ge=1, le=64, description="Upper bound for the heuristic and auto policies.")
     width: int = Field(1, ge=1, le=16, description="Token tree: the draft's top-`width` tokens at every depth (the "
                        "first continues the spine, the rest are sibling leaves); 1 = a chain.")
+    frontier: int = Field(1, ge=1, le=16, description="Token tree: nodes the draft expands per depth, the most "
+                          "probable by path probability, in one batched draft forward (EAGLE-2 dynamic trees); 1 = the "
+                          "top-1 spine with the other candidates as leaves.")
     lookup: bool = Field(False, description="Add prompt-lookup candidates (n-gram matches in prompt + output) to the "
                          "tree; they cost no forward.")
     lookup_ngram: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup matches.")

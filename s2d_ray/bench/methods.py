@@ -262,7 +262,7 @@ ENGINE_PREFIXES = ("ar", "s2d", "exit:", "lookup")
 def parse_shape(shape: str) -> dict:
     """`s2d:<shape>` rows force speculation settings over the profile's, `+`-joined: `chain` (width 1, no lookup),
     `tree` / `tree<W>` (width 4 / W), `lookup`, `nolookup`, `auto` / `fixed` / `heuristic` (policy), `k<N>`, `n<N>`
-    (max nodes)."""
+    (max nodes), `f<N>` (frontier nodes expanded per depth)."""
     out: dict = {}
     for part in shape.split("+"):
         if part == "chain":
@@ -273,8 +273,8 @@ def parse_shape(shape: str) -> dict:
             out["lookup"] = part == "lookup"
         elif part in ("auto", "fixed", "heuristic"):
             out["policy"] = part
-        elif part[:1] in ("k", "n") and part[1:].isdigit():
-            out["k" if part[0] == "k" else "max_nodes"] = int(part[1:])
+        elif part[:1] in ("k", "n", "f") and part[1:].isdigit():
+            out[{"k": "k", "n": "max_nodes", "f": "frontier"}[part[0]]] = int(part[1:])
         else:
             raise ConfigError(f"unknown shape part {part!r} in s2d:{shape}")
     return out

@@ -49,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
     p.add_argument("--k", type=int, default=None,
                    help="fixed k, or the heuristic's starting k; a tree's spine depth (default: the profile's, else 5)")
     p.add_argument("--width", type=int, default=None, help="token tree: draft candidates per depth (1 = chain)")
+    p.add_argument("--frontier", type=int, default=None,
+                   help="token tree: nodes the draft expands per depth (EAGLE-2 frontier; 1 = the top-1 spine)")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="add prompt-lookup candidates to the tree (default: the profile's)")
     p.add_argument("--max-nodes", type=int, default=None, help="most tree nodes verified per sequence and round")
@@ -75,7 +77,7 @@ def engine_config(args: argparse.Namespace, target: str | None = None, mode: str
     )
 
 
-SPEC_FLAGS = ("policy", "k", "width", "lookup", "max_nodes")
+SPEC_FLAGS = ("policy", "k", "width", "lookup", "max_nodes", "frontier")
 
 
 def spec_config(args: argparse.Namespace, mode: str) -> SpecConfig:

@@ -21,11 +21,13 @@ MAX_LOOKUP_DEPTH = 32
 
 @dataclass(frozen=True)
 class TreeShape:
-    """What a tree may hold: `width` draft candidates per depth, lookup candidates, at most `max_nodes` nodes."""
+    """What a tree may hold: `width` draft candidates per node, lookup candidates, at most `max_nodes` nodes;
+    `frontier`: nodes the draft expands per depth (1: the top-1 spine, its siblings stay leaves)."""
 
     width: int = 1
     lookup: bool = False
     max_nodes: int = 24
+    frontier: int = 1
 
 
 class AcceptanceModel:
@@ -154,7 +156,7 @@ class SpeculationBudget:
             return
         self.acceptance.observe(tree, path)
         depths = tree.depths()
-        drafted_first = [i for i, (d, e) in enumerate(zip(depths, tree.exits)) if d == 1 and e != LOOKUP]
+        drafted_first = [i for i, (d, s) in enumerate(zip(depths, tree.scores)) if d == 1 and s > 0]  # drafted: q > 0
         if drafted_first:
             self._first_hit[0] += float(bool(path) and path[0] in drafted_first)
             self._first_hit[1] += 1

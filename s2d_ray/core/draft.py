@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import ModelLoadError, RequestError
 from .cache import SlotKVCache, grown
+from .frontier import DraftTree, commit_path, expand_frontier
 from .sampling import logits_to_probs, round_generator, sample
 from .stack import (PREFILL_CHUNK, DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups,
                     pending_grid)
@@ -196,6 +197,13 @@ class HiddenStore:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.bufs)
 
+    @torch.no_grad()
+    def move_slots(self, row: int, src: list[int], dst_start: int) -> None:
+        """Copy the kept states of slots `src` (in order) to consecutive slots from `dst_start` (a tree's path)."""
+        self.reserve(row + 1, max(src) + 1)  # a leaf of the path was never forwarded: its slot may lie past the end
+        for b in self.bufs:
+            b[row, dst_start : dst_start + len(src)] = b[row, torch.tensor(src, device=b.device)]
+
 
 class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
@@ -211,17 +219,24 @@ class SortedDrafter:
         self.table = RowTable(len(self.exit_layers), self.cache)
         hidden = draft.parts.embed.weight.shape[1]
         self.hidden = HiddenStore(len(self.exit_layers) - 1, hidden, self.stack.dtype, self.stack.device)
+        self.trees: dict[str, tuple[RowState, DraftTree]] = {}  # the last frontier tree per sequence, until compacted
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
-        """Chains (a token per depth, sampled from q when sampling) or trees (`req.tree`: the argmax spine of depth k,
-        each depth's next `width - 1` most probable tokens as sibling leaves, scored by path probability)."""
+        """Chains (a token per depth, sampled from q when sampling) or trees (`req.tree`): with `frontier` 1 the
+        argmax spine of depth k, each depth's next `width - 1` most probable tokens as sibling leaves; with more, the
+        best `frontier` nodes of each depth expanded in one batched forward (core/frontier.py). Scores are path
+        probabilities."""
+        self._commit_trees(requests)
         states = self.table.sync_batch([(r.seq_id, r.tokens) for r in requests])
+        for seq_id in [s for s, (st, _) in self.trees.items() if self.table.states.get(s) is not st]:
+            del self.trees[seq_id]  # its row was evicted (the sequence went elsewhere): nothing left to compact
         for st in states:  # the last token is always re-run: its logits start the draft (a retried round sends the
             st.filled = [min(f, len(st.tokens) - 1) for f in st.filled]  # same tokens again, already all in KV)
         props = [Proposal([], None, [], [], []) if r.tree else Proposal.empty() for r in requests]
         spine = [(-1, 1.0)] * len(requests)  # per request: (last spine node, its path probability)
         live = [i for i, r in enumerate(requests) if r.k > 0]
+        roots: dict[int, tuple[torch.Tensor, int]] = {}  # frontier rows: the root's logits and exit
         for step in range(max((r.k for r in requests), default=0)):
             live = [i for i in live if requests[i].k > step]
             if not live:
@@ -230,6 +245,9 @@ class SortedDrafter:
             still = []
             for j, i in enumerate(live):
                 req, prop = requests[i], props[i]
+                if req.tree and req.frontier > 1:  # the first step only: its depths run batched over the frontier
+                    roots[i] = (out.logits[j], out.exits[j])
+                    continue
                 if req.tree:
                     tok = self._grow_tree(prop, out.logits[j], out.exits[j], req.width, spine, i)
                 else:
@@ -245,7 +263,21 @@ class SortedDrafter:
                 if deeper and self._confident(out.logits[j], tok):
                     still.append(i)
             live = still
+        if roots:
+            rows = sorted(roots)
+            trees = expand_frontier(self, [requests[i] for i in rows], [states[i] for i in rows],
+                                    [roots[i] for i in rows], [props[i] for i in rows])
+            for i, tree in zip(rows, trees):
+                self.trees[requests[i].seq_id] = (states[i], tree)
         return props
+
+    def _commit_trees(self, requests: list[DraftRequest]) -> None:
+        """Before syncing: compact each sequence's last frontier tree to the path its tokens now say was accepted
+        (a row evicted or released since then is skipped: its state is new)."""
+        for req in requests:
+            pending = self.trees.pop(req.seq_id, None)
+            if pending is not None and self.table.states.get(req.seq_id) is pending[0]:
+                commit_path(pending[1], pending[0], req.tokens, self)
 
     @staticmethod
     def _grow_tree(prop: Proposal, logits: torch.Tensor, exit_layer: int, width: int, spine: list[tuple[int, float]],
@@ -359,6 +391,7 @@ class SortedDrafter:
         return self.hidden.bufs[seg - 1][rows[:, None], clamped]
 
     def release(self, seq_id: str) -> None:
+        self.trees.pop(seq_id, None)
         self.table.release(seq_id)
 
     @property

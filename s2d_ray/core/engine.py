@@ -25,7 +25,7 @@ from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
 from .target import Verifier
-from .tree import LOOKUP, TokenTree, accept_tree
+from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
 
 
@@ -139,13 +139,15 @@ class SpecEngine:
         if self.budget is not None and self.budget.load_aware and self.drafter is not None:
             plan = self.budget.plan(len(live), 0)
         width = self.budget.shape.width if self.trees else 1
+        frontier = self.budget.shape.frontier if self.trees else 1
         min_score = plan.min_score if plan is not None else 0.0
         drafts = []
         for seq in live:
             k = seq.k if plan is None else plan.depth
             k = max(0, min(k, self._remaining(seq))) if self.drafter is not None and seq.req.speculate else 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
-                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score))
+                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
+                                       frontier=frontier))
         return live, drafts
 
     def _remaining(self, seq: _Sequence) -> int:
@@ -318,8 +320,8 @@ class SpecEngine:
         """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
         node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
-            depth = max((max((d for d, e in zip(_as_tree(p).depths(), p.exits) if e != LOOKUP), default=0)
-                         for p in proposals), default=0)
+            trees = [_as_tree(p) for p in proposals]  # drafted nodes have q > 0 (lookup-only nodes score 0)
+            depth = max((max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees), default=0)
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
                                       depth, verify)
         return outputs

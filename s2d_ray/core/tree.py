@@ -47,10 +47,14 @@ class TokenTree:
         return None
 
     def add(self, parent: int, token: int, exit_layer: int, score: float) -> int:
-        """Add a node (or merge into an existing sibling with the same token, keeping the higher score)."""
+        """Add a node (or merge into an existing sibling with the same token, keeping the higher score; a lookup
+        candidate merged into a draft node marks it LOOKUP, so the budget values it by both sources, not the draft's
+        alone, and the lookup chain below it is not cut by the draft node's lower estimate)."""
         same = self.child(parent, token)
         if same is not None:
             self.scores[same] = max(self.scores[same], score)
+            if exit_layer == LOOKUP:
+                self.exits[same] = LOOKUP
             return same
         self.tokens.append(token)
         self.parents.append(parent)
@@ -73,8 +77,8 @@ class TokenTree:
         return [i for i, p in enumerate(self.parents) if p == node]
 
     def keep(self, budget: int, rank: list[float] | None = None, max_depth: int | None = None) -> "TokenTree":
-        """The best `budget` nodes by `rank` (default: score), no deeper than `max_depth`, closed under ancestors
-        (a node comes with its path), reindexed in the same topological order."""
+        """The best `budget` nodes by `rank` (default: score; ties by score), no deeper than `max_depth`, closed under
+        ancestors (a node comes with its path), reindexed in the same topological order."""
         depths = self.depths()
         if max_depth is not None and any(d > max_depth for d in depths):
             budget = min(budget, sum(d <= max_depth for d in depths))
@@ -84,7 +88,9 @@ class TokenTree:
             return TokenTree()
         rank = self.scores if rank is None else rank
         allowed = [i for i in range(len(self)) if max_depth is None or depths[i] <= max_depth]
-        order = sorted(allowed, key=lambda i: (-rank[i], depths[i], i))
+        # Ranks are often binned estimates: ties go to the higher draft path probability (a frontier tree holds many
+        # nodes of one bin at different depths), then the shallower node.
+        order = sorted(allowed, key=lambda i: (-rank[i], -self.scores[i], depths[i], i))
         chosen: set[int] = set()
         for i in order:
             path = []

@@ -33,6 +33,8 @@ class DraftRequest:
     tree: bool = False  # propose a token tree: deterministic top-1 spine of depth k plus siblings
     width: int = 1  # tree only: candidates per depth, the draft's top-`width` tokens (spine + width - 1 siblings)
     min_score: float = 0.0  # tree only: stop deepening once the spine's path probability falls below this
+    # Tree only: nodes expanded per depth (EAGLE-2 frontier, one batched draft forward per depth); 1: the top-1 spine.
+    frontier: int = 1
     # One exit threshold per draft exit for this row (a target's calibration profile); None: the drafter's own.
     # Per row, so targets whose profiles differ only in thresholds share one draft forward.
     thresholds: tuple[float, ...] | None = None

@@ -35,11 +35,30 @@ def complete(app, model: str, prompt: str, max_tokens: int, **extra) -> dict:
 
 @pytest.mark.parametrize("model,key", [("tiny-a", "a"), ("tiny-b", "b"), ("tiny-tp", "a")])
 def test_served_tree_greedy_equals_target_greedy(tree_app, tiny_family, model, key):
+    check_greedy(tree_app, tiny_family, model, key)
+
+
+@pytest.fixture(scope="module")
+def frontier_app(serve_instance, tiny_family):
+    from s2d_ray.serve import build_app
+
+    cfg = tiny_config(tiny_family, spec={**TREE_SPEC, "frontier": 3})
+    yield deploy(build_app(cfg), "frontier", serve_instance, cfg)
+    undeploy("frontier")
+
+
+@pytest.mark.parametrize("model,key", [("tiny-a", "a"), ("tiny-tp", "a")])
+def test_served_frontier_tree_greedy_equals_target_greedy(frontier_app, tiny_family, model, key):
+    """The draft deployment expands the frontier (EAGLE-2 trees, its KV compacted between rounds); still exact."""
+    check_greedy(frontier_app, tiny_family, model, key)
+
+
+def check_greedy(app, tiny_family, model: str, key: str) -> None:
     dtype = "float32" if model == "tiny-tp" else "float64"
     ref = Reference(str(tiny_family[key]), dtype)
     nodes = accepted = lookup_accepted = 0
     for prompt in PROMPTS:
-        body = complete(tree_app, model, prompt, 32)
+        body = complete(app, model, prompt, 32)
         assert body["choices"][0]["text"] == ref.text(ref.greedy(ref.ids(prompt), 32)), prompt
         m = body["metrics"]["speculative_decoding"]
         nodes += m["num_draft_tokens"]
