@@ -8,7 +8,7 @@ import datetime as dt
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
@@ -161,6 +161,13 @@ def _register_serve(bench) -> None:
     p.add_argument("--compare-plain", action="store_true",
                    help="each level also runs with speculate: false (plain decoding through the same app): served "
                    "speculative vs served AR in one run")
+    p.add_argument("--check-greedy", action="store_true",
+                   help="ask for each response's token ids and compare them with in-process greedy decoding of the "
+                   "same prompt (this machine's engine, --mode ar, the target --model names, --check-dtype); needs "
+                   "--temperature 0; exit status 1 when a difference is not a rounding near-tie (any, in fp32)")
+    p.add_argument("--check-dtype", default="auto",
+                   help="dtype of the in-process reference: the served target's (auto resolves as the server does)")
+    p.add_argument("--check-batch", type=int, default=8, help="prompts the reference decodes together")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 
@@ -204,11 +211,24 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .serve import mixed_prompts, plot_load, run_load, serve_markdown
 
-    load = _load_run(args, args.model)
-    result = asyncio.run(run_load(load, mixed_prompts(args.questions)))
+    if args.check_greedy and (args.temperature != 0.0 or args.check_batch < 1):
+        raise ConfigError("--check-greedy needs --temperature 0 and --check-batch >= 1")
+    load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy)
+    prompts = mixed_prompts(args.questions)
+    result = asyncio.run(run_load(load, prompts))
+    markdown = serve_markdown(result)
+    if args.check_greedy:
+        from ..config import EngineConfig, TargetConfig
+        from .greedy_check import GreedyCheck, check_greedy, greedy_markdown
+
+        engine = EngineConfig(target=TargetConfig(name=args.model, dtype=args.check_dtype), num_threads=1)
+        result["greedy_check"] = check_greedy(result, prompts, GreedyCheck(engine, batch=args.check_batch))
+        markdown += "\n" + greedy_markdown(result["greedy_check"])
     out = args.out or _default_out("serve")
-    _write_report(out, "serve", result, serve_markdown(result))
+    _write_report(out, "serve", result, markdown)
     plot_load(result, out / "serve.png")
+    if "greedy_check" in result and not result["greedy_check"]["passed"]:
+        return 1
     return 1 if result["summary"] and all(lv["completed"] == 0 for lv in result["summary"]) else 0
 
 

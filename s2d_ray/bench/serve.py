@@ -41,6 +41,9 @@ class LoadRun:
     # batching), right after the speculative run: served S2D against served AR in one run, no second deployment.
     compare_plain: bool = False
     speculate: bool | None = None  # the body's `speculate` field; None: not sent (the server's default)
+    # Ask for each response's generated ids (`return_token_ids`, an extension) and keep them, e.g. for the greedy
+    # check (bench/greedy_check.py).
+    return_token_ids: bool = False
 
 
 @dataclass
@@ -51,6 +54,8 @@ class RequestResult:
     tokens: int = 0
     chunk_gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    prompt_index: int | None = None  # which of the run's prompts
+    token_ids: list[int] | None = None  # generated ids, with LoadRun.return_token_ids
 
 
 def mixed_prompts(questions: Path | None, max_chars: int = 4000) -> list[str]:
@@ -79,12 +84,15 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
             "temperature": run.temperature, "stream": True}
     if run.speculate is not None:
         body["speculate"] = run.speculate
+    if run.return_token_ids:
+        body["return_token_ids"] = True
     if run.include_usage:
         body["stream_options"] = {"include_usage": True}
     t0 = time.perf_counter()
     first = last = None
     gaps: list[float] = []
     chunks, usage_tokens = 0, None
+    ids: list[int] | None = [] if run.return_token_ids else None
     try:
         async with client.stream("POST", run.url.rstrip("/") + "/v1/completions", json=body,
                                  timeout=run.timeout) as resp:
@@ -102,6 +110,12 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
                     return RequestResult(False, time.perf_counter() - t0, error=str(chunk["error"])[:200])
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
+                if ids is not None:
+                    for c in chunk.get("choices") or []:
+                        if c.get("token_ids") is None:
+                            ids = None  # a server without the extension: nothing to compare
+                            break
+                        ids += c["token_ids"]
                 if "".join(c.get("text") or "" for c in chunk.get("choices") or []):
                     now = time.perf_counter()
                     if last is not None:
@@ -111,7 +125,7 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
     except Exception as exc:  # network errors, timeouts, bad JSON: counted, never fatal to the run
         return RequestResult(False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:200])
     ttft = first - t0 if first is not None else None
-    return RequestResult(True, time.perf_counter() - t0, ttft, usage_tokens or chunks, gaps)
+    return RequestResult(True, time.perf_counter() - t0, ttft, usage_tokens or chunks, gaps, token_ids=ids)
 
 
 async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
@@ -127,7 +141,9 @@ async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
         while next_index[0] < budget and time.perf_counter() < deadline:
             i = next_index[0]
             next_index[0] += 1
-            results.append(await one_request(client, run, prompts[i % len(prompts)], model))
+            result = await one_request(client, run, prompts[i % len(prompts)], model)
+            result.prompt_index = i % len(prompts)
+            results.append(result)
 
     tasks = [asyncio.create_task(worker(models[w % len(models)] if models else None)) for w in range(concurrency)]
     _, pending = await asyncio.wait(tasks, timeout=run.max_seconds + run.timeout)

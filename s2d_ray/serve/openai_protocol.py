@@ -37,6 +37,9 @@ class SamplingFields(_Lenient):
     user: str | None = Field(None, description="Ignored (OpenAI compatibility).")
     speculate: bool = Field(True, description="false: plain target decoding for this request, no draft or lookup "
                             "(extension; the output is the same, only its speed differs).")
+    return_token_ids: bool = Field(False, description="Each choice (each stream chunk) also carries the ids of "
+                                   "the tokens it generated, `token_ids` (extension, as vLLM's): exact "
+                                   "comparisons need no re-encoding of text.")
 
     @model_validator(mode="after")
     def _stops(self) -> "SamplingFields":
@@ -219,9 +222,9 @@ class ChoiceView:
     """
 
     def __init__(self, ids: ResponseIds, index: int, token_text: Callable[[int], str], logprobs: bool,
-                 echo_text: str | None = None) -> None:
+                 echo_text: str | None = None, token_ids: bool = False) -> None:
         self.ids, self.index, self.token_text = ids, index, token_text
-        self.want_logprobs, self.echo_text = logprobs, echo_text
+        self.want_logprobs, self.echo_text, self.want_token_ids = logprobs, echo_text, token_ids
         self.offset = 0
 
     def choice(self, part: GenerateChunk | GenerateResponse, chunk: bool, first: bool) -> dict:
@@ -235,13 +238,14 @@ class ChoiceView:
                 entries, tokens = list(part.prompt_logprobs) + entries, list(part.prompt_token_ids or []) + tokens
             lp = self._chat_logprobs(entries) if self.ids.chat else self._completion_logprobs(tokens, entries)
         reason = part.finish_reason
+        extra = {"token_ids": list(part.token_ids)} if self.want_token_ids else {}
         if not self.ids.chat:
-            return {"index": self.index, "text": text, "finish_reason": reason, "logprobs": lp}
+            return {"index": self.index, "text": text, "finish_reason": reason, "logprobs": lp, **extra}
         if chunk:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": lp}
+            return {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": lp, **extra}
         return {"index": self.index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": lp}
+                "logprobs": lp, **extra}
 
     def _completion_logprobs(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         strs = [self.token_text(t) for t in tokens]

@@ -300,7 +300,8 @@ class Router:
         echo = None
         if getattr(oreq, "echo", False):
             echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(greq.prompt_token_ids)
-        return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo)
+        return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
+                          oreq.return_token_ids)
 
     async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
                    streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:

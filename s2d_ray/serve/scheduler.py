@@ -23,6 +23,7 @@ from ..core.engine import GenerationRequest, SpecEngine
 from ..core.stack import common_prefix
 from ..core.types import DraftRequest, Proposal, ScoreRequest
 from ..errors import CapacityError, RequestError, S2DError, ServiceUnavailableError
+from .affinity_keys import sequence_key, split_call
 from .metrics import ServeMetrics
 
 logger = logging.getLogger(__name__)
@@ -61,15 +62,29 @@ async def _bounded(awaitable: Awaitable, timeout_s: float) -> Any:
 
 
 class Affinity:
-    """A router client's side of affinity for one deployment: the routing key its calls carry, and per live sequence
-    the tokens whose KV the deployment computed in the last successful round. `expected` is how many of a new call's
-    leading tokens that covers (what the replica holds if nothing moved); `record` counts what a replica reported
-    recomputing into `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
+    """A router client's side of affinity for one deployment: the router's routing key (each sequence's key is it
+    plus the sequence id, `key_for`), and per live sequence the tokens whose KV the deployment computed in the last
+    successful round. `expected` is how many of a new call's leading tokens that covers (what the replica holds if
+    nothing moved); `record` counts what a replica reported recomputing into
+    `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
 
     def __init__(self, key: str | None, deployment: str, counter: Any = None) -> None:
         self.key, self.deployment, self.counter = key, deployment, counter
         self.recomputed: dict[str, int] = {}  # replica -> tokens it recomputed for this client's calls
         self._tokens: dict[str, list[int]] = {}
+
+    def key_for(self, seq_id: str) -> str | None:
+        return sequence_key(self.key, seq_id)
+
+    def gathered(self, parts: list[tuple[list[int], Any]], n: int) -> list:
+        """The results of a round split over replicas (`affinity.split_call`), in request order; each call's
+        recomputed tokens recorded against the replica that answered it."""
+        out: list = [None] * n
+        for idx, reply in parts:
+            self.record(reply.recomputed, reply.replica)
+            for i, result in zip(idx, reply.results):
+                out[i] = result
+        return out
 
     def expected(self, seq_id: str, tokens: list[int]) -> int:
         done = self._tokens.get(seq_id)
@@ -115,8 +130,9 @@ class CallTimes:
 class DraftClient:
     """The engine's drafter: the shared draft deployment, degrading to target-only rounds while it is down.
 
-    Calls carry the router's affinity key (the draft replica holding this router's sequences) and, per request,
-    how many tokens an earlier round drafted over (the replica reports what it had to recompute)."""
+    A round is one call per draft replica its sequences' affinity keys prefer (the replica holding each sequence)
+    and carries, per request, how many tokens an earlier round drafted over (the replica reports what it had to
+    recompute)."""
 
     def __init__(self, handle, target: str, timeout_s: float, retry_after_s: float,
                  on_fallback: Callable[[], None], affinity: Affinity | None = None) -> None:
@@ -133,33 +149,40 @@ class DraftClient:
             aff = self.affinity
             seen = [aff.expected(d.seq_id, d.tokens) for d in drafts]
             start = time.perf_counter()
+
+            def call(idx: list[int], key: str | None):
+                return self.handle.propose.remote(self.target, [drafts[i] for i in idx], [seen[i] for i in idx],
+                                                  affinity=key)
+
             try:
-                reply = await _bounded(self.handle.propose.remote(self.target, drafts, seen, affinity=aff.key),
-                                       self.timeout_s)
+                keys = [aff.key_for(d.seq_id) for d in drafts]
+                parts = await _bounded(split_call(self.handle, keys, call), self.timeout_s)
             except Exception as exc:
                 logger.warning("draft failed (%s: %s); target-only for %.0f s", type(exc).__name__, exc,
                                self.retry_after_s)
                 self.down_until = time.monotonic() + self.retry_after_s
             else:
-                self.times.add(time.perf_counter() - start, reply.seconds)
-                aff.record(reply.recomputed, reply.replica)
-                for d, p in zip(drafts, reply.results):
+                self.times.add(time.perf_counter() - start, max((reply.seconds for _, reply in parts), default=0.0))
+                results = aff.gathered(parts, len(drafts))
+                for d, p in zip(drafts, results):
                     # A chain: the drafter ran every proposed token but the last through its first layers; a tree
                     # (siblings are not a sequence): count only the prefix, which it surely holds.
                     if p.tokens:
                         aff.computed(d.seq_id, d.tokens + p.tokens[:-1] if p.parents is None else d.tokens)
-                return reply.results
+                return results
         self.on_fallback()
         return [Proposal.empty() for _ in drafts]
 
     def release(self, seq_id: str) -> None:
         self.affinity.forget(seq_id)
-        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key), "draft release")
+        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key_for(seq_id)),
+                           "draft release")
 
 
 class TargetClient:
     """The engine's verifier: the target deployment; failures and timeouts become ServiceUnavailableError.
-    Calls carry the router's affinity key and what earlier rounds verified, like DraftClient's."""
+    Rounds are split over replicas by the sequences' affinity keys and carry what earlier rounds verified, like
+    DraftClient's."""
 
     def __init__(self, handle, name: str, timeout_s: float, affinity: Affinity | None = None) -> None:
         self.handle, self.name, self.timeout_s = handle, name, timeout_s
@@ -171,21 +194,27 @@ class TargetClient:
         aff = self.affinity
         seen = [aff.expected(r.seq_id, r.tokens) for r in requests]
         start = time.perf_counter()
+
+        def call(idx: list[int], key: str | None):
+            return self.handle.score.remote([requests[i] for i in idx], [seen[i] for i in idx], affinity=key)
+
         try:
-            reply = await _bounded(self.handle.score.remote(requests, seen, affinity=aff.key), self.timeout_s)
+            keys = [aff.key_for(r.seq_id) for r in requests]
+            parts = await _bounded(split_call(self.handle, keys, call), self.timeout_s)
         except asyncio.TimeoutError:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
-        self.times.add(time.perf_counter() - start, reply.seconds)
-        aff.record(reply.recomputed, reply.replica)
+        self.times.add(time.perf_counter() - start, max((reply.seconds for _, reply in parts), default=0.0))
+        results = aff.gathered(parts, len(requests))
         for r in requests:  # a tree's nodes are not a sequence: count its prefix only (compacted on the next call)
             aff.computed(r.seq_id, r.tokens if r.parents is None else r.tokens[: len(r.tokens) - len(r.parents)])
-        return reply.results
+        return results
 
     def release(self, seq_id: str) -> None:
         self.affinity.forget(seq_id)
-        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key), "target release")
+        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key_for(seq_id)),
+                           "target release")
 
 
 @dataclass
