@@ -67,10 +67,15 @@ def test_one_routers_sequences_spread_over_replicas_and_stay_on_theirs(spread_ap
     result = asyncio.run(run_load(run, PROMPTS))
     assert result["summary"][0]["completed"] == 32, result["summary"]
 
-    for deployment in ("draft", "target-tiny-a"):
-        calls = {r: s["num_calls"] for r, s in replica_stats(deployment).items()}
+    stats = {d: replica_stats(d) for d in ("draft", "target-tiny-a")}
+    for deployment, per_replica in stats.items():
+        calls = {r: s["num_calls"] for r, s in per_replica.items()}
         # Both replicas served this one router's rounds, neither a token share below a quarter of the calls.
         assert min(calls.values()) >= 0.25 * sum(calls.values()), (deployment, calls)
+    # A round is one call per replica, not one per sequence: the router learned the replica set from its request
+    # router (the calls of the first round, before it had, go one per sequence).
+    draft = stats["draft"].values()
+    assert sum(s["num_rows"] for s in draft) >= 2 * sum(s["num_calls"] for s in draft), list(draft)
 
     health = httpx.get(f"{spread_app.url}/health", timeout=HTTP_TIMEOUT).json()
     recomputed = {d: sum(per.values()) for d, per in health["recomputed_tokens"].items()}

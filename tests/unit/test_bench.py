@@ -313,3 +313,19 @@ def test_draft_capacity_figures_are_differences_over_the_level():
     assert busier["busy_fraction"] == pytest.approx(0.9) and busier["replicas_needed"] == 2
     with pytest.raises(ServiceUnavailableError, match="draft replica changed"):
         draft_delta(before, {**after, "replica": "r2"}, 2)
+
+
+def test_load_client_keeps_prompt_indices_and_leaves_ids_none_without_the_extension(sse_server):
+    """`return_token_ids` against a server that ignores it: nothing to compare, so the greedy check counts those
+    responses as unchecked instead of equal."""
+    import asyncio
+
+    from s2d_ray.bench.greedy_check import served_outputs
+    from s2d_ray.bench.serve import LoadRun, run_load
+
+    run = LoadRun(sse_server, "m", [2], requests=4, max_seconds=20, max_tokens=10, timeout=5, return_token_ids=True)
+    result = asyncio.run(run_load(run, ["hello", "world"]))
+    rows = result["requests"]["2"]
+    assert all(r["ok"] and r["token_ids"] is None for r in rows)
+    assert sorted(r["prompt_index"] for r in rows) == [0, 0, 1, 1]
+    assert served_outputs(result) == []

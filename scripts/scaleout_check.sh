@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 14's real-model scale-out runs WITH the greedy check (tests/serve/scaleout_run.py --check-greedy): every
+# response's token ids against in-process greedy of the same prompt (the project's engine, --mode ar, same dtype).
+# Real SmolLM2-135M-Instruct + the committed draft, deployments/replicas.yaml, 127.0.0.1, concurrency 16, max_tokens 48.
+#
+#   scripts/scaleout_check.sh OUT_DIR [pair|scaledown|faults|all]
+#
+# pair:      2 vs 1 replica of each, the shipped config (dtype auto = bf16 here), 96 requests each, back to back
+# scaledown: 2 -> 1 replica of each by redeploy 15 s into 64 requests, fp32 with a fixed k = 4 (fp32's calibration
+#            models no gain, so its budget would leave the draft idle and the check would not exercise speculation)
+# faults:    the same fp32 app: a draft replica killed 10 s into 64 requests, then a target replica
+# Each phase is one command under the heavy lock (QUIET=/work/notes/quiet.sh to pause background jobs too).
+set -euo pipefail
+out=${1:?usage: scripts/scaleout_check.sh OUT_DIR [pair|scaledown|faults|all]}
+phase=${2:-all}
+here=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$here/.venv/bin/python}
+questions=${QUESTIONS:-$here/../shared/data/spec_bench/question.jsonl}
+lock=${QUIET:-flock /tmp/s2d-heavy.lock timeout 600}
+fp32=(--dtype float32 --spec '{"mode": "s2d", "policy": "fixed", "k": 4}')
+mkdir -p "$out"
+run() {  # name, args...
+  local name=$1; shift
+  PYTHONPATH=$here "$py" "$here/tests/serve/scaleout_run.py" --check-greedy --questions "$questions" \
+    --reference-cache "$out/greedy_ref.json" --out "$out/$name.json" "$@" 2>"$out/$name.log" | tee -a "$out/summary.txt"
+}
+export -f run
+export here py questions out
+case $phase in
+  pair|all)
+    $lock bash -c 'run two --replicas 2 --requests 96 && run one --replicas 1 --requests 96' ;;&
+  scaledown|all)
+    $lock bash -c "run scaledown-fp32 --replicas 2 --requests 64 --scale-down-at 15 ${fp32[*]@Q}" ;;&
+  faults|all)
+    $lock bash -c "run kill-draft-fp32 --replicas 2 --requests 64 --kill draft --kill-at 10 ${fp32[*]@Q} && \
+      run kill-target-fp32 --replicas 2 --requests 64 --kill target-smollm2-135m-instruct --kill-at 10 ${fp32[*]@Q}" ;;
+  pair|scaledown) ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
