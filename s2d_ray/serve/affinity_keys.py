@@ -1,8 +1,13 @@
-"""Routing keys and how a round splits over replicas, without Ray (the router's scheduler imports this).
+"""Which replica each sequence's rounds go to, and how a round splits over replicas; no Ray at import (the router's
+scheduler imports this).
 
-Each sequence's key is its router's key plus its sequence id; a replica is preferred by rendezvous hashing of the key
-over the live replica ids, the same ranking `affinity.SequenceAffinityRouter` applies to each call. A round is split
-into one call per preferred replica, each call carrying a key of one of its members (all prefer that replica).
+Each sequence's key is its router's key plus its sequence id. Router replica r of n (Serve's replica rank and world
+size) has home replicas among a deployment's R live replicas (sorted ids): replica r mod R when n >= R (routers spread
+one to a replica: each keeps whole rounds, so forwards stay as large as its batch), else every replica j with
+j mod n == r (one router's sequences spread over the replicas no other router has). A sequence prefers the home
+replica its key ranks highest by rendezvous hashing, then the others by the same hash (`preferred_order`, also what
+`affinity.SequenceAffinityRouter` ranks each call by). A round is one call per preferred replica, each call carrying
+a key of one of its members (all prefer that replica).
 """
 
 from __future__ import annotations
@@ -19,6 +24,34 @@ def rendezvous_rank(key: str, replica_ids: list[str]) -> list[str]:
         return hashlib.blake2b(f"{key}|{rid}".encode(), digest_size=8).digest()
 
     return sorted(replica_ids, key=weight, reverse=True)
+
+
+def home_replicas(replica_ids: list[str], rank: int, routers: int) -> list[str]:
+    """The replicas router `rank` of `routers` keeps its sequences on (see the module docstring)."""
+    ids = sorted(replica_ids)
+    if not ids:
+        return []
+    if routers >= len(ids):
+        return [ids[rank % len(ids)]]
+    return [rid for j, rid in enumerate(ids) if j % routers == rank % routers]
+
+
+def preferred_order(key: str, replica_ids: list[str], rank: int = 0, routers: int = 1) -> list[str]:
+    """Replica ids, most preferred first: the router's home replicas by rendezvous hashing of the key, then the rest."""
+    home = home_replicas(replica_ids, rank, routers)
+    return rendezvous_rank(key, home) + rendezvous_rank(key, [r for r in replica_ids if r not in home])
+
+
+def router_slot() -> tuple[int, int]:
+    """(rank, world size) of this process's Serve replica (a router replica); (0, 1) outside a replica."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+    except Exception:  # not inside a Serve replica (tests, a driver)
+        return 0, 1
+    rank = getattr(ctx.rank, "rank", ctx.rank)
+    return int(rank or 0), max(int(getattr(ctx, "world_size", 1) or 1), 1)
 
 
 _LIVE: dict[tuple[str, str], tuple[str, ...]] = {}  # (app, deployment) -> live replica ids, seen by this process
@@ -40,23 +73,26 @@ def sequence_key(router_key: str | None, seq_id: str) -> str | None:
     return None if router_key is None else f"{router_key}/{seq_id}"
 
 
-def split_by_replica(keys: list[str | None], replica_ids: tuple[str, ...] | None) -> list[tuple[str | None, list[int]]]:
-    """Request indices grouped by the replica their keys prefer, each group with a key that prefers it (its first
-    member's). Replicas not known yet: one group per key (the request router places each call); no keys or one
-    replica: one group."""
+def split_by_replica(keys: list[str | None], replica_ids: tuple[str, ...] | None,
+                     slot: tuple[int, int] = (0, 1)) -> list[tuple[str | None, list[int]]]:
+    """Request indices grouped by the replica their keys prefer (router `slot` = (rank, routers)), each group with a
+    key that prefers it (its first member's). Replicas not known yet: one group per key (the request router places
+    each call); no keys or one replica: one group."""
     if not keys:
         return []
     if replica_ids is None or len(replica_ids) == 1 or any(k is None for k in keys):
         return [(keys[0], list(range(len(keys))))]
     groups: dict[str, list[int]] = {}
     for i, key in enumerate(keys):
-        groups.setdefault(rendezvous_rank(key, list(replica_ids))[0] if replica_ids else key, []).append(i)
+        where = preferred_order(key, list(replica_ids), *slot)[0] if replica_ids else key
+        groups.setdefault(where, []).append(i)
     return [(keys[idx[0]], idx) for idx in groups.values()]
 
 
 async def split_call(handle: Any, keys: list[str | None],
                      call: Callable[[list[int], str | None], Awaitable[Any]]) -> list[tuple[list[int], Any]]:
     """`call(indices, key)` once per replica the requests' keys prefer, concurrently: (indices, reply) per call."""
-    parts = split_by_replica(keys, live_replicas(handle))
+    replicas = live_replicas(handle)
+    parts = split_by_replica(keys, replicas, router_slot() if replicas else (0, 1))
     replies = await asyncio.gather(*(call(idx, key) for key, idx in parts))
     return [(idx, reply) for (_, idx), reply in zip(parts, replies)]

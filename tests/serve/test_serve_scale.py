@@ -82,6 +82,12 @@ def test_affinity_keeps_targets_warm_and_memory_bounded(scale_app, refs, tiny_fa
     # reclaimed rows and recomputed them, which only cost time: the outputs above are exact.
     assert recomputed(stats, "target-tiny-a") == 0 and recomputed(stats, "target-tiny-b") == 0, stats
     assert recomputed(stats, "draft") > 0
+    # Two routers, two replicas of each deployment: each router keeps to its own replica (its rank's home), so no
+    # replica serves both routers' rounds while the other idles (with one hashed key per router, all three
+    # deployments landed apart only one time in eight).
+    for dep in ("draft", "target-tiny-a", "target-tiny-b"):
+        used = [set(s["recomputed_tokens"].get(dep, {})) for s in stats.values()]
+        assert all(len(u) == 1 for u in used) and used[0] != used[1], (dep, used)
     print("SCALE", json.dumps({"generated": generated, "recomputed": {
         d: recomputed(stats, d) for d in ("draft", "target-tiny-a", "target-tiny-b")}}))
 
