@@ -6,9 +6,11 @@
 #   scripts/scaleout_check.sh OUT_DIR [pair|scaledown|faults|all]
 #
 # pair:      2 vs 1 replica of each, the shipped config (dtype auto = bf16 here), 96 requests each, back to back
-# scaledown: 2 -> 1 replica of each by redeploy 15 s into 64 requests, fp32 with a fixed k = 4 (fp32's calibration
-#            models no gain, so its budget would leave the draft idle and the check would not exercise speculation)
-# faults:    the same fp32 app: a draft replica killed 10 s into 64 requests, then a target replica
+# scaledown: 2 -> 1 replica of each by redeploy 15 s into 64 requests
+# faults:    a draft replica killed 10 s into 64 requests, then a target replica
+# scaledown and faults run the shipped config (dtype auto); DTYPE=float32 runs them in fp32 with a fixed k = 4
+# (fp32's calibration models no gain, so its budget would leave the draft idle and the check would not exercise
+# speculation); the run names end in the dtype.
 # Each phase is one command under the heavy lock (QUIET=/work/notes/quiet.sh to pause background jobs too).
 set -euo pipefail
 out=${1:?usage: scripts/scaleout_check.sh OUT_DIR [pair|scaledown|faults|all]}
@@ -17,7 +19,9 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-$here/.venv/bin/python}
 questions=${QUESTIONS:-$here/../shared/data/spec_bench/question.jsonl}
 lock=${QUIET:-flock /tmp/s2d-heavy.lock timeout 600}
-fp32=(--dtype float32 --spec '{"mode": "s2d", "policy": "fixed", "k": 4}')
+dtype=${DTYPE:-auto}
+extra=()
+[ "$dtype" = auto ] || extra=(--dtype "$dtype" --spec '{"mode": "s2d", "policy": "fixed", "k": 4}')
 mkdir -p "$out"
 run() {  # name, args...
   local name=$1; shift
@@ -30,10 +34,10 @@ case $phase in
   pair|all)
     $lock bash -c 'run two --replicas 2 --requests 96 && run one --replicas 1 --requests 96' ;;&
   scaledown|all)
-    $lock bash -c "run scaledown-fp32 --replicas 2 --requests 64 --scale-down-at 15 ${fp32[*]@Q}" ;;&
+    $lock bash -c "run scaledown-$dtype --replicas 2 --requests 64 --scale-down-at 15 ${extra[*]@Q}" ;;&
   faults|all)
-    $lock bash -c "run kill-draft-fp32 --replicas 2 --requests 64 --kill draft --kill-at 10 ${fp32[*]@Q} && \
-      run kill-target-fp32 --replicas 2 --requests 64 --kill target-smollm2-135m-instruct --kill-at 10 ${fp32[*]@Q}" ;;
+    $lock bash -c "run kill-draft-$dtype --replicas 2 --requests 64 --kill draft --kill-at 10 ${extra[*]@Q} && \
+      run kill-target-$dtype --replicas 2 --requests 64 --kill target-smollm2-135m-instruct --kill-at 10 ${extra[*]@Q}" ;;
   pair|scaledown) ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

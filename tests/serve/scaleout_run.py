@@ -186,6 +186,7 @@ def main() -> None:
         "recomputed_pct": round(100 * sum(n for d in recomputed.values() for n in d.values())
                                 / max(summary["output_tokens"], 1), 2),
         "peak_rss_mib": {k: round(v) for k, v in sorted(rss.peak.items())},
+        "per_router": {h["router"]: h["recomputed_tokens"] for h in health},  # the replicas each router used
         "draft_stats": [h["draft"] for h in health], "redeploy": redeploy or None, "killed": killed or None}
     serve.shutdown()
     ray.shutdown()
