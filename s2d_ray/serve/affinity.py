@@ -13,8 +13,8 @@ takes the call and rebuilds the sequence from its token prefix (always correct; 
 `scheduler.Affinity`.
 
 Before: one key per router, hashed onto replicas: replicas idled with fewer routers than replicas, and two routers
-once hashed to the same draft replica. Hashing every sequence over all replicas instead splits each router's batch:
-at 2 routers x 2 replicas on 2 CPU cores, forwards of half the rows cost 1/3 of the tokens per second (RELIABILITY.md).
+hashed to the same draft replica in two of four measured runs. Hashing every sequence over all replicas instead
+would split each router's batch over replicas other routers also use: forwards of half the rows (RELIABILITY.md).
 """
 
 from __future__ import annotations

@@ -152,11 +152,16 @@ def main() -> None:
         redeploy.update(at_s=args.scale_down_at, to=args.scale_down_to, running_after_s=round(time.monotonic() - t, 1))
 
     def kill() -> None:
-        killed.update(replica=kill_one(args.kill), at_s=args.kill_at)
+        import ray
+
+        name = kill_one(args.kill)
+        killed.update(replica=name, at_s=args.kill_at)
         t = time.monotonic()
-        while time.monotonic() - t < 300:  # until Serve has replaced it
+        while time.monotonic() - t < 300:  # until Serve has noticed and replaced it
             state = serve.status().applications["s2d"].deployments[args.kill]
-            if state.status == "HEALTHY" and state.replica_states.get("RUNNING", 0) == args.replicas:
+            alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+            if (name not in alive and state.status == "HEALTHY"
+                    and state.replica_states.get("RUNNING", 0) == args.replicas):
                 killed["healthy_again_after_s"] = round(time.monotonic() - t, 1)
                 break
             time.sleep(0.5)
