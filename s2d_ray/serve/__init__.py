@@ -40,4 +40,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     }
     logger.info("s2d app: targets=%s draft=%s mode=%s", [t.name for t in cfg.targets],
                 cfg.draft.source if cfg.uses_draft else None, cfg.spec.mode)
-    return Router.options(name="router", **cfg.router.serve_options()).bind(cfg, draft, targets)
+    router = cfg.router.serve_options()
+    # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
+    # 20 s cut long streams during a scale-down or redeploy.
+    router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)
+    return Router.options(name="router", **router).bind(cfg, draft, targets)

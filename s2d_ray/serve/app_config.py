@@ -34,6 +34,10 @@ class DeploymentOptions(_Strict):
     max_ongoing_requests: int = Field(256, ge=1, description="Concurrent calls one replica accepts.")
     health_check_period_s: float = Field(10.0, gt=0, description="Seconds between check_health calls.")
     health_check_timeout_s: float = Field(30.0, gt=0, description="A check_health slower than this fails.")
+    graceful_shutdown_timeout_s: float | None = Field(
+        None, gt=0, description="How long a replica being removed (scale-down, redeploy) keeps serving its calls; "
+        "unset: Serve's default (20 s), except the router, which waits up to limits.request_timeout_s so that "
+        "streams in flight finish instead of being cut.")
 
     @model_validator(mode="after")
     def _replicas_or_autoscaling(self) -> "DeploymentOptions":
@@ -61,6 +65,8 @@ class DeploymentOptions(_Strict):
             "health_check_period_s": self.health_check_period_s,
             "health_check_timeout_s": self.health_check_timeout_s,
         }
+        if self.graceful_shutdown_timeout_s is not None:
+            opts["graceful_shutdown_timeout_s"] = self.graceful_shutdown_timeout_s
         if self.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(self.autoscaling_config)
         else:

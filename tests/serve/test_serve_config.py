@@ -41,6 +41,16 @@ def _deployments(application) -> list:
     return serve_build(application, name="check").deployments
 
 
+def test_router_lets_streams_finish_on_scale_down():
+    args = {"targets": [{"name": "t", "source": "hf-internal-testing/tiny-random-LlamaForCausalLM"}],
+            "spec": {"mode": "ar"}, "limits": {"request_timeout_s": 123}}
+    by_name = {d.name: d for d in _deployments(build_app(args))}
+    assert by_name["router"]._deployment_config.graceful_shutdown_timeout_s == 123
+    args["router"] = {"graceful_shutdown_timeout_s": 7}
+    by_name = {d.name: d for d in _deployments(build_app(args))}
+    assert by_name["router"]._deployment_config.graceful_shutdown_timeout_s == 7
+
+
 def test_gpu_yaml_describes_the_fleet():
     app = yaml.safe_load((REPO / "deployments" / "gpu.yaml").read_text())["applications"][0]
     cfg = AppConfig.model_validate(app["args"])
