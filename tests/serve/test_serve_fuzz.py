@@ -111,7 +111,7 @@ def test_openapi_schema_fuzz_never_5xx(tiny_app):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
     seen: Counter = Counter()
     for op, mode, strategy in _schema_cases(doc):
-        examples = (40 if mode.value == "positive" else 30) if op.method.lower() == "post" else 5
+        examples = (60 if mode.value == "positive" else 30) if op.method.lower() == "post" else 5
 
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
                   database=None)
