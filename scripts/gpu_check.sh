@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# One prepared run for a session that has a GPU (issue 17). About 5 minutes on an H100/H200; nothing is downloaded
+# One prepared run for a session that has a GPU (issue 17). A few minutes on an H100/H200; nothing is downloaded
 # (random bf16 weights; tiny models for the exactness tests). Results land in $OUT (default bench_results/gpu-check).
 #   scripts/gpu_check.sh            # on the GPU machine
 #   scripts/gpu_check.sh --tiny     # dry run on a CPU: the same code path with tiny widths
-set -euo pipefail
+# Every step runs whatever the one before did (a failed test still leaves the timings), each under its own limit,
+# and writes its files as it goes, so a run cut short still returns what it measured. Exit status: any failure.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/gpu-check}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 (nvidia-smi || echo "no nvidia-smi") > "$OUT/nvidia-smi.txt" 2>&1
+rc=0
 # 1. exactness on CUDA (skipped, with the reason, where torch sees no GPU)
-$PY -m pytest -q -rs -p no:cacheprovider tests/unit/test_devices.py 2>&1 | tee "$OUT/test_devices.txt"
-# 2-3. device row, verify grids of 7B/13B/70B-TP4-rank shapes, engine rounds
-$PY -m s2d_ray.bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout "${TEST_LIMIT_S:-150}" $PY -m pytest -q -rs -p no:cacheprovider tests/unit/test_devices.py 2>&1 \
+    | tee "$OUT/test_devices.txt" || rc=1
+# 2-3. device row, the engine's rounds on the 7B shape, verify grids of 7B/13B/70B-TP4-rank shapes
+timeout "${BENCH_LIMIT_S:-300}" $PY -m s2d_ray.bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log" || rc=1
+exit $rc

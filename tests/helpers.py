@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -116,6 +115,8 @@ def write_tiny_gguf(path: Path, vocab_size: int = TINY_VOCAB_SIZE, num_layers: i
 
     Loading the file back gives exactly the weights and vocabulary of `save_tiny_llama` with the same arguments.
     """
+    import gguf  # here, not at the top: the GPU machine's image has no gguf, and only GGUF tests need it
+
     model = make_tiny_llama(vocab_size=vocab_size, num_layers=num_layers, seed=seed)
     tok_json = json.loads(make_tiny_tokenizer(vocab_size=vocab_size).backend_tokenizer.to_str())
     vocab: dict[str, int] = dict(tok_json["model"]["vocab"])

@@ -66,20 +66,27 @@ def scaled_grid(shape: ModelShape, dtype: torch.dtype, device: torch.device, dep
 
 def engine_rounds(shape: ModelShape, dtype: torch.dtype, device: torch.device, layers: int, draft_layers: int,
                   batch: int, tokens: int) -> dict:
-    """ms per round of the engine in `ar` and `s2d` (fixed k = 4, a cut draft of the first layers), and per token."""
+    """ms per round of the engine in `ar`, `s2d` (a chain of fixed k = 4 from a cut draft of the first layers) and
+    `tree` (the same draft's top-3 tree plus lookup candidates, the shipped proposal shape), and tokens per second.
+    Random weights accept little, so this prices a round; the fleet model multiplies by acceptance."""
+    from ..core.budget import SpeculationBudget, TreeShape
     from ..core.draft import SortedDraft, SortedDrafter
     from ..core.engine import GenerationRequest, SpecEngine
+    from ..core.lookup import PromptLookup, TreeDrafter
     from ..core.policy import FixedK
     from ..core.target import TargetVerifier
 
     model = random_llama(shape, layers, dtype, device)
     prompts = [[(7 * i + j) % (shape.vocab - 3) + 3 for i in range(128)] for j in range(batch)]
     out = {}
-    for mode in ("ar", "s2d"):
-        drafter = None
-        if mode == "s2d":
+    for mode in ("ar", "s2d", "tree"):
+        drafter, budget = None, None
+        if mode != "ar":
             drafter = SortedDrafter(SortedDraft.cut(model, "random", draft_layers, [draft_layers]))
-        engine = SpecEngine(TargetVerifier(model), drafter, policy=FixedK(4))
+        if mode == "tree":
+            drafter = TreeDrafter(drafter, PromptLookup(max_ngram=4, num_tokens=10), alone_ngram=4)
+            budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=24), None, max_depth=4)
+        engine = SpecEngine(TargetVerifier(model), drafter, policy=FixedK(4), budget=budget)
         engine.generate([GenerationRequest("warm", prompts[0], 8)])
         sync(device)
         t0 = time.perf_counter()
@@ -87,40 +94,70 @@ def engine_rounds(shape: ModelShape, dtype: torch.dtype, device: torch.device, l
         sync(device)
         secs = time.perf_counter() - t0
         rounds = max(r.metrics["num_target_forwards"] for r in res)  # rows share rounds: the longest row counts
-        out[mode] = {"seconds": secs, "tokens": sum(len(r.token_ids) for r in res), "rounds": rounds,
-                     "ms_per_round": 1e3 * secs / max(rounds, 1),
-                     "tokens_per_s": sum(len(r.token_ids) for r in res) / secs}
+        n_tok = sum(len(r.token_ids) for r in res)
+        out[mode] = {"seconds": secs, "tokens": n_tok, "rounds": rounds, "ms_per_round": 1e3 * secs / max(rounds, 1),
+                     "tokens_per_s": n_tok / secs,
+                     "draft_tokens": sum(r.metrics.get("num_draft_tokens", 0) for r in res),
+                     "accepted": sum(r.metrics.get("num_accepted_draft_tokens", 0) for r in res)}
+        logger.info("engine %s batch %d: %.2f ms per round, %.1f tok/s", mode, batch, out[mode]["ms_per_round"],
+                    out[mode]["tokens_per_s"])
+    del model
     return out
 
 
+def stage(result: dict, holder: dict, key: str, out_dir: Path, fn) -> None:
+    """Run one stage; a failure is recorded (not raised) so later stages still run, and the JSON is written after
+    every stage, so a run cut short by its time limit still returns what it measured."""
+    t0 = time.perf_counter()
+    try:
+        holder[key] = fn()
+    except Exception as exc:  # noqa: BLE001 - one device run; every stage's outcome is wanted
+        logger.exception("stage %s failed", key)
+        result.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"
+    logger.info("stage %s: %.0f s", key, time.perf_counter() - t0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(out_dir: Path, tiny: bool) -> dict:
+    import transformers
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
     logger.info("gpu check on %s (%s), %s", device, name, dtype)
-    result = {"device": str(device), "device_name": name, "dtype": str(dtype), "tiny": tiny}
-    t0 = time.perf_counter()
-    result["device_row"] = measure_device(shapes(tiny)["llama-2-7b"], dtype, device, 12, quick=tiny)
-    logger.info("device row: %s (%.0f s)", result["device_row"], time.perf_counter() - t0)
-    measured = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0, **device_fields(result["device_row"]))
+    result = {"device": str(device), "device_name": name, "dtype": str(dtype), "tiny": tiny,
+              "torch": torch.__version__, "transformers": transformers.__version__}
+    for name_, dev in DEVICES.items():  # the datasheet rows this run can correct
+        result.setdefault("table_rows", {})[name_] = dev.__dict__
+    stage(result, result, "device_row", out_dir,
+          lambda: measure_device(shapes(tiny)["llama-2-7b"], dtype, device, 12, quick=tiny))
+    logger.info("device row: %s", result.get("device_row"))
     batches, positions = ((1, 2, 4), (1, 2, 4)) if tiny else (BATCHES, POSITIONS)
     context, repeat, depths = (32, 2, (1, 2)) if tiny else (256, 7, (2, 4))
+    s7 = shapes(tiny)["llama-2-7b"]
+    # The engine on the whole 7B shape (32 layers on a GPU): what a round costs beyond the forwards it runs.
+    layers, draft_layers = (2, 1) if tiny else ((s7.layers, 4) if device.type == "cuda" else (4, 2))
+    for b in (1, 8):
+        stage(result, result.setdefault("engine", {}), str(b), out_dir,
+              lambda b=b: engine_rounds(s7, dtype, device, layers, draft_layers, b, 16 if tiny else 64))
+    result["engine_layers"] = layers
     result["verify"] = {}
-    for key, shape in shapes(tiny).items():
-        t0 = time.perf_counter()
+
+    def grid_of(shape: ModelShape) -> dict:
+        measured = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0,
+                          **device_fields(result["device_row"]))
         grid = scaled_grid(shape, dtype, device, depths, context, batches, positions, repeat)
         for b, by_n in grid.items():
             for n, cell in by_n.items():
                 cell["roofline_ms"] = round(forward_ms(shape, measured, int(b), int(n), context), 3)
-        result["verify"][key] = {"shape": shape.__dict__, "context": context, "grid": grid}
-        logger.info("%s done (%.0f s)", key, time.perf_counter() - t0)
-    s7 = shapes(tiny)["llama-2-7b"]
-    result["engine"] = {str(b): engine_rounds(s7, dtype, device, *((2, 1) if tiny else (4, 2)), b, 16 if tiny else 64)
-                        for b in (1, 8)}
-    for name_, dev in DEVICES.items():  # the datasheet rows this run can correct
-        result.setdefault("table_rows", {})[name_] = dev.__dict__
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1))
+        return {"shape": shape.__dict__, "context": context, "grid": grid}
+
+    for key, shape in shapes(tiny).items():
+        stage(result, result["verify"], key, out_dir, lambda shape=shape: grid_of(shape))
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
 
@@ -131,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     res = run(args.out, args.tiny)
-    print(json.dumps({"device": res["device_name"], "device_row": res["device_row"], "engine": res["engine"]}, indent=1))
-    return 0
+    print(json.dumps({k: res.get(k) for k in ("device_name", "device_row", "engine", "errors")}, indent=1, default=str))
+    return 1 if res.get("errors") else 0
 
 
 if __name__ == "__main__":
