@@ -147,9 +147,11 @@ def run(out_dir: Path, tiny: bool) -> dict:
     result["verify"] = {}
 
     def grid_of(shape: ModelShape) -> dict:
+        grid = scaled_grid(shape, dtype, device, depths, context, batches, positions, repeat)
+        if "device_row" not in result:
+            return {"shape": shape.__dict__, "context": context, "grid": grid}
         measured = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0,
                           **device_fields(result["device_row"]))
-        grid = scaled_grid(shape, dtype, device, depths, context, batches, positions, repeat)
         for b, by_n in grid.items():
             for n, cell in by_n.items():
                 cell["roofline_ms"] = round(forward_ms(shape, measured, int(b), int(n), context), 3)

@@ -8,6 +8,7 @@ token prefix a caller sends cuts those counts back to the common prefix, which i
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,6 +36,17 @@ class DecoderParts:
     num_kv_heads: int
     head_dim: int
     num_heads: int
+
+
+# Tests set this to run the CUDA code path (SDPA with per-head mask views) on the CPU, so CPU CI covers it.
+SDPA_ON_CPU = False
+
+
+def cache_kwarg(layer: nn.Module) -> str:
+    """The name a decoder layer takes its KV cache by: `cache` from transformers 5.2x, `past_key_values` before
+    (5.17 on the GPU image). A wrong name is silently swallowed by **kwargs and the layer attends to no cache."""
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _llama_like_parts(model: nn.Module) -> DecoderParts:
@@ -100,7 +112,8 @@ class LayerStack(nn.Module):
         bounds = [0, *exit_layers]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
         # On the CPU, attention runs as grouped matmuls (core/attention.py: 2-20x faster than SDPA there).
-        self.grouped = self.device.type == "cpu"
+        self.grouped = self.device.type == "cpu" and not SDPA_ON_CPU
+        self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         if self.grouped:
             use_grouped(self.layers)
 
@@ -152,7 +165,8 @@ class LayerStack(nn.Module):
         rope = positions if rope_positions is None else rope_positions
         cos_sin = self.parts.rotary(x, position_ids=rope)
         for layer in self.layers[lo:hi]:
-            out = layer(x, attention_mask=mask, position_ids=rope, cache=cache, position_embeddings=cos_sin)
+            out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin,
+                        **{self.cache_kwarg: cache})
             x = out[0] if isinstance(out, tuple) else out
         return x
 
