@@ -13,8 +13,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 (nvidia-smi || echo "no nvidia-smi") > "$OUT/nvidia-smi.txt" 2>&1
 rc=0
-# 1. exactness on CUDA (skipped, with the reason, where torch sees no GPU)
-timeout "${TEST_LIMIT_S:-150}" $PY -m pytest -q -rs -p no:cacheprovider tests/unit/test_devices.py 2>&1 \
+# 1. exactness on CUDA, eager and with CUDA graphs (skipped, with the reason, where torch sees no GPU)
+timeout "${TEST_LIMIT_S:-150}" $PY -m pytest -q -rs -p no:cacheprovider tests/unit/test_devices.py tests/unit/test_graphs.py 2>&1 \
     | tee "$OUT/test_devices.txt" || rc=1
 # 2-3. device row, the engine's rounds on the 7B shape, verify grids of 7B/13B/70B-TP4-rank shapes
 timeout "${BENCH_LIMIT_S:-300}" $PY -m s2d_ray.bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log" || rc=1

@@ -79,28 +79,44 @@ def engine_rounds(shape: ModelShape, dtype: torch.dtype, device: torch.device, l
     model = random_llama(shape, layers, dtype, device)
     prompts = [[(7 * i + j) % (shape.vocab - 3) + 3 for i in range(128)] for j in range(batch)]
     out = {}
-    for mode in ("ar", "s2d", "tree"):
-        drafter, budget = None, None
-        if mode != "ar":
-            drafter = SortedDrafter(SortedDraft.cut(model, "random", draft_layers, [draft_layers]))
-        if mode == "tree":
-            drafter = TreeDrafter(drafter, PromptLookup(max_ngram=4, num_tokens=10), alone_ngram=4)
-            budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=24), None, max_depth=4)
-        engine = SpecEngine(TargetVerifier(model), drafter, policy=FixedK(4), budget=budget)
-        engine.generate([GenerationRequest("warm", prompts[0], 8)])
-        sync(device)
-        t0 = time.perf_counter()
-        res = engine.generate([GenerationRequest(f"s{i}", p, tokens) for i, p in enumerate(prompts)])
-        sync(device)
-        secs = time.perf_counter() - t0
-        rounds = max(r.metrics["num_target_forwards"] for r in res)  # rows share rounds: the longest row counts
-        n_tok = sum(len(r.token_ids) for r in res)
-        out[mode] = {"seconds": secs, "tokens": n_tok, "rounds": rounds, "ms_per_round": 1e3 * secs / max(rounds, 1),
-                     "tokens_per_s": n_tok / secs,
-                     "draft_tokens": sum(r.metrics.get("num_draft_tokens", 0) for r in res),
-                     "accepted": sum(r.metrics.get("num_accepted_draft_tokens", 0) for r in res)}
-        logger.info("engine %s batch %d: %.2f ms per round, %.1f tok/s", mode, batch, out[mode]["ms_per_round"],
-                    out[mode]["tokens_per_s"])
+    for graphs in (False, True):  # eager, then CUDA graphs (core/graphs.py; on a CPU the same padded forwards)
+        for mode in ("ar", "s2d", "tree"):
+            drafter, budget = None, None
+            if mode != "ar":
+                drafter = SortedDrafter(SortedDraft.cut(model, "random", draft_layers, [draft_layers]),
+                                        cuda_graphs=graphs)
+            if mode == "tree":
+                drafter = TreeDrafter(drafter, PromptLookup(max_ngram=4, num_tokens=10), alone_ngram=4)
+                budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=24), None, max_depth=4)
+            engine = SpecEngine(TargetVerifier(model, cuda_graphs=graphs), drafter, policy=FixedK(4), budget=budget)
+            if graphs and device.type != "cuda":
+                engine.verifier.stack.use_graphs()
+            engine.generate([GenerationRequest("warm", prompts[0], 8)])
+            engine.generate([GenerationRequest(f"w{i}", p, 8) for i, p in enumerate(prompts)])  # capture buckets
+            sync(device)
+            t0 = time.perf_counter()
+            res = engine.generate([GenerationRequest(f"s{i}", p, tokens) for i, p in enumerate(prompts)])
+            sync(device)
+            secs = time.perf_counter() - t0
+            rounds = max(r.metrics["num_target_forwards"] for r in res)  # rows share rounds: the longest counts
+            n_tok = sum(len(r.token_ids) for r in res)
+            key = mode + ("+graphs" if graphs else "")
+            out[key] = {"seconds": secs, "tokens": n_tok, "rounds": rounds, "ms_per_round": 1e3 * secs / max(rounds, 1),
+                        "tokens_per_s": n_tok / secs,
+                        "draft_tokens": sum(r.metrics.get("num_draft_tokens", 0) for r in res),
+                        "accepted": sum(r.metrics.get("num_accepted_draft_tokens", 0) for r in res),
+                        "token_ids": [r.token_ids for r in res]}
+            if graphs and out.get(mode):  # the graphed engine must decode exactly what the eager one did
+                out[key]["same_tokens_as_eager"] = out[key]["token_ids"] == out[mode]["token_ids"]
+            if engine.verifier.stack.graphs is not None:
+                out[key]["target_replays"] = engine.verifier.stack.graphs.replays
+                out[key]["target_graphs"] = sum(b.graph is not None for b in engine.verifier.stack.graphs.buckets.values())
+            logger.info("engine %s batch %d: %.2f ms per round, %.1f tok/s%s", key, batch, out[key]["ms_per_round"],
+                        out[key]["tokens_per_s"], f" same as eager: {out[key].get('same_tokens_as_eager')}"
+                        if graphs else "")
+            del engine, drafter
+    for v in out.values():
+        v.pop("token_ids")
     del model
     return out
 

@@ -208,10 +208,13 @@ class HiddenStore:
 class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
 
-    def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
+                 cuda_graphs: bool = True) -> None:
         self.draft = draft
         self.prefill_chunk = prefill_chunk  # 0: a prompt in one pass
         self.stack = draft.stack
+        if cuda_graphs and self.stack.device.type == "cuda" and self.stack.graphs is None:
+            self.stack.use_graphs()  # each segment's forwards as CUDA graphs (core/graphs.py)
         self.exit_layers = draft.spec.exit_layers
         self.thresholds = draft.spec.thresholds
         self.stop_confidence = stop_confidence  # stop drafting a sequence when its q(x) falls below this

@@ -114,6 +114,14 @@ class LayerStack(nn.Module):
         # On the CPU, attention runs as grouped matmuls (core/attention.py: 2-20x faster than SDPA there).
         self.grouped = self.device.type == "cpu" and not SDPA_ON_CPU
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
+        self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
+
+    def use_graphs(self, capture: bool | None = None) -> None:
+        """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`
+        runs the same padded forwards eagerly: how the CPU tests their exactness."""
+        from .graphs import SegmentGraphs
+
+        self.graphs = SegmentGraphs(self, self.device.type == "cuda" if capture is None else capture)
         if self.grouped:
             use_grouped(self.layers)
 
@@ -156,6 +164,10 @@ class LayerStack(nn.Module):
         By default a token's slot is its position (RoPE) and it sees slots up to its own. Token trees pass the
         RoPE positions (prefix length + depth - 1) and `allowed`: [n, s, kv_len] bool (prefix + ancestors + self).
         """
+        if self.graphs is not None:
+            out = self.graphs.run(seg, x, rows, positions, cache, rope_positions, allowed)
+            if out is not None:
+                return out
         lo, hi = self.segments[seg]
         kv_len = int(positions.max()) + 1
         cache.select(rows, positions, kv_len)

@@ -35,10 +35,13 @@ class TargetVerifier:
     same requests and rank 0's logits are the answer.
     """
 
-    def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
+                 cuda_graphs: bool = True) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)])
+        if cuda_graphs and self.stack.device.type == "cuda":
+            self.stack.use_graphs()  # decode and verify forwards as CUDA graphs (core/graphs.py)
         self.cache = self.stack.new_cache()
         self.table = RowTable(1, self.cache)
         self.vocab_size = model.config.vocab_size

@@ -72,7 +72,7 @@ class TPWorker:
             loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
             replace_with_kernel_inject=False,
         )
-        self.verifier = TargetVerifier(engine.module)
+        self.verifier = TargetVerifier(engine.module, cuda_graphs=False)  # all-reduces inside: not captured
         limit_rows(self.verifier, max_rows, max_slots)
         return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid()}
 
