@@ -81,6 +81,8 @@ class SegmentGraphs:
         if shape is None:
             return None
         b, wb, s = shape
+        if cache.max_slots is not None and s > cache.max_slots:  # a bounded cache: the bucket would not fit
+            return None
         cache.reserve(int(rows.max()) + 1, s)
         key = (seg, id(cache), cache.keys[0].data_ptr(), b, wb, s)
         slot = self.buckets.get(key)
