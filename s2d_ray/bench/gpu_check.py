@@ -137,7 +137,7 @@ def stage(result: dict, holder: dict, key: str, out_dir: Path, fn) -> None:
         torch.cuda.empty_cache()
 
 
-def run(out_dir: Path, tiny: bool) -> dict:
+def run(out_dir: Path, tiny: bool, stages: tuple[str, ...] = ("row", "engine", "verify")) -> dict:
     import transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -148,15 +148,16 @@ def run(out_dir: Path, tiny: bool) -> dict:
               "torch": torch.__version__, "transformers": transformers.__version__}
     for name_, dev in DEVICES.items():  # the datasheet rows this run can correct
         result.setdefault("table_rows", {})[name_] = dev.__dict__
-    stage(result, result, "device_row", out_dir,
-          lambda: measure_device(shapes(tiny)["llama-2-7b"], dtype, device, 12, quick=tiny))
+    if "row" in stages:
+        stage(result, result, "device_row", out_dir,
+              lambda: measure_device(shapes(tiny)["llama-2-7b"], dtype, device, 12, quick=tiny))
     logger.info("device row: %s", result.get("device_row"))
     batches, positions = ((1, 2, 4), (1, 2, 4)) if tiny else (BATCHES, POSITIONS)
     context, repeat, depths = (32, 2, (1, 2)) if tiny else (256, 7, (2, 4))
     s7 = shapes(tiny)["llama-2-7b"]
     # The engine on the whole 7B shape (32 layers on a GPU): what a round costs beyond the forwards it runs.
     layers, draft_layers = (2, 1) if tiny else ((s7.layers, 4) if device.type == "cuda" else (4, 2))
-    for b in (1, 8):
+    for b in (1, 8) if "engine" in stages else ():
         stage(result, result.setdefault("engine", {}), str(b), out_dir,
               lambda b=b: engine_rounds(s7, dtype, device, layers, draft_layers, b, 16 if tiny else 64))
     result["engine_layers"] = layers
@@ -173,7 +174,7 @@ def run(out_dir: Path, tiny: bool) -> dict:
                 cell["roofline_ms"] = round(forward_ms(shape, measured, int(b), int(n), context), 3)
         return {"shape": shape.__dict__, "context": context, "grid": grid}
 
-    for key, shape in shapes(tiny).items():
+    for key, shape in shapes(tiny).items() if "verify" in stages else ():
         stage(result, result["verify"], key, out_dir, lambda shape=shape: grid_of(shape))
     (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
     return result
@@ -183,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="tiny widths: a dry run on CPU")
+    p.add_argument("--stages", default="row,engine,verify", help="comma list of row, engine, verify")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    res = run(args.out, args.tiny)
+    res = run(args.out, args.tiny, tuple(args.stages.split(",")))
     print(json.dumps({k: res.get(k) for k in ("device_name", "device_row", "engine", "errors")}, indent=1, default=str))
     return 1 if res.get("errors") else 0
 

@@ -164,3 +164,46 @@ def check_markdown(r: dict) -> str:
                   "| B \\ n | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         lines += [f"| {b} | " + " | ".join(f"{row[c]:+.0%}" for c in cols) + " |" for b, row in g["errors"].items()]
     return "\n".join(lines) + "\n"
+
+
+# --- the same model against a GPU run (scripts/gpu_check.sh) ----------------------------------------------------------
+def gpu_errors(result: dict, prompt_tokens: int = 128, tokens: int = 64) -> list[dict]:
+    """The fleet model's tokens/s for the engine rounds a gpu_check run timed (7B shape, random weights, prompts of
+    `prompt_tokens`, `tokens` new per row, a cut draft of the first layers for `s2d`), from that run's OWN device
+    row (matmul rates and tiny-width overheads, never the engine's timings), against what the engine measured.
+    The run's measured MAT (random weights accept ~nothing) is used, so only the cost model is tested. Eager rounds
+    are predicted only from a row measured eagerly (the graphs run's row prices graphed forwards)."""
+    from ..fleet.hardware import Device
+    from ..fleet.shapes import SHAPES
+
+    row = result["device_row"]
+    dev = Device("measured", memory_gb=0, bandwidth_eff=1.0, flops_eff=1.0, **device_fields(row))
+    shape = SHAPES["llama-2-7b"]
+    draft_layers = 4 if result.get("engine_layers", 32) == shape.layers else 2
+    graphed_row = any("+graphs" in m for b in result["engine"].values() for m in b)
+    out = []
+    for batch, modes in result["engine"].items():
+        for mode, m in modes.items():
+            graphs = mode.endswith("+graphs")
+            base = mode.removesuffix("+graphs")
+            if base == "tree" or graphs != graphed_row:
+                continue  # trees are not in the model; eager rounds need an eagerly measured row
+            k = 0 if base == "ar" else 4
+            rep = Replica(shape, dev, draft=shape.with_layers(draft_layers) if k else None, draft_depth=draft_layers)
+            b = int(batch)
+            measured_mat = m["tokens"] / b / m["rounds"]
+            pred = predict(rep, [[prompt_tokens] * b], k, tokens, measured_mat)
+            out.append({"mode": mode, "batch": b, "measured_tps": m["tokens_per_s"], "predicted_tps": pred,
+                        "error": pred / m["tokens_per_s"] - 1, "measured_ms_per_round": m["ms_per_round"]})
+    return out
+
+
+def gpu_markdown(result: dict, rows: list[dict]) -> str:
+    lines = [f"{result.get('device_name')}, {result.get('dtype')}, torch {result.get('torch')}: the model from this run's "
+             f"device row vs the engine's measured rounds (7B shape, random weights)", "",
+             "| mode | batch | measured tok/s | predicted tok/s | error |", "|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['batch']} | {r['measured_tps']:.1f} | {r['predicted_tps']:.1f} | {r['error']:+.1%} |"
+              for r in rows]
+    worst = max(abs(r["error"]) for r in rows)
+    lines += ["", f"Largest error {worst:.1%}: {'within' if worst <= MAX_ERROR else 'OUTSIDE'} the {MAX_ERROR:.0%} target."]
+    return "\n".join(lines) + "\n"
