@@ -139,13 +139,23 @@ def _register_plan_check(bench) -> None:
     p.add_argument("--quick", action="store_true", help="small device measurements (tests)")
     p.add_argument("--prompts", choices=["heldout", "specbench"], default="heldout",
                    help="held-out instructions (the profile's own distribution) or Spec-Bench questions")
+    p.add_argument("--gpu-json", type=Path, default=None,
+                   help="instead: the model against a GPU run's own rounds (a gpu_check.json of scripts/gpu_check.sh)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/plan-check-<time>)")
     p.set_defaults(func=run_plan_check)
 
 
 def run_plan_check(args: argparse.Namespace) -> int:
-    from .plan_check import PlanCheck, check_markdown, run_check
+    from .plan_check import PlanCheck, check_markdown, gpu_errors, gpu_markdown, run_check
 
+    if args.gpu_json is not None:
+        if not args.gpu_json.is_file():
+            raise ConfigError(f"--gpu-json {args.gpu_json}: no such file")
+        result = json.loads(args.gpu_json.read_text())
+        if "device_row" not in result or "engine" not in result:
+            raise ConfigError(f"--gpu-json {args.gpu_json}: not a gpu_check.json with a device row and engine rounds")
+        print(gpu_markdown(result, gpu_errors(result)), end="")
+        return 0
     if min(args.threads, args.tokens, args.repeats, *args.batches) < 1:
         raise ConfigError("--threads, --tokens, --repeats and --batches must be >= 1")
     result = run_check(PlanCheck(args.target, args.draft, args.dtype, args.threads, args.tokens,

@@ -2,7 +2,7 @@
 fixed costs a roofline misses (per-layer launch/Python overhead, the engine's own work per round).
 
 GPU peaks are the vendors' datasheet figures (SXM parts; dense, no sparsity). The efficiencies and overheads of GPUs
-are ASSUMPTIONS until `scripts/gpu_check.sh` has measured them on one (see docs/FLEET.md); this CPU's row is
+were measured on one H200 by `scripts/gpu_check.sh` and are assumed for the other parts (see docs/FLEET.md); this CPU's row is
 measured by `s2d bench plan-check` (bandwidth: a large reduction; FLOP/s: a large matmul; overheads: the engine
 running a model of tiny width with the real layer count)."""
 
@@ -37,12 +37,20 @@ class Device:
 
 # Datasheets: NVIDIA L40S (864 GB/s, 362 TFLOP/s bf16 dense, 48 GB), A100 80GB SXM (2039 GB/s, 312, 80 GB),
 # H100 SXM (3350 GB/s, 989, 80 GB), H200 SXM (4800 GB/s, 989, 141 GB).
-_GPU = "datasheet peaks; efficiencies and overheads assumed (eager PyTorch, HF decoder layers) until measured"
+# The H200 row is MEASURED (scripts/gpu_check.sh, 2026-12-01, torch 2.11, the engine with CUDA graphs; BENCHMARKS.md
+# "GPU"): the matmuls of a 7B-shaped forward inside one graph reach 3202 GB/s (0.67 of peak) as matrix-vector
+# products and 579 TFLOP/s (0.59) at 256 rows; overheads from tiny-width models with the real layer count. The other
+# GPUs keep their datasheet peaks with the H200's measured efficiencies and overheads (same software; not measured).
+_H200 = dict(bandwidth_eff=0.667, flops_eff=0.586, layer_overhead_ms=0.081, forward_overhead_ms=1.278,
+             row_overhead_ms=0.126, round_overhead_ms=1.727, round_row_overhead_ms=0.209, draft_depth_overhead_ms=0.0,
+             spec_round_overhead_ms=0.0, spec_row_overhead_ms=0.868)
+_GPU = "datasheet peaks; efficiencies and overheads as measured on one H200 (CUDA graphs), not on this part"
 DEVICES: dict[str, Device] = {
-    "l40s": Device("l40s", 864, 362, 48, source=_GPU),
-    "a100": Device("a100", 2039, 312, 80, source=_GPU),
-    "h100": Device("h100", 3350, 989, 80, source=_GPU),
-    "h200": Device("h200", 4800, 989, 141, source=_GPU),
+    "l40s": Device("l40s", 864, 362, 48, **_H200, source=_GPU),
+    "a100": Device("a100", 2039, 312, 80, **_H200, source=_GPU),
+    "h100": Device("h100", 3350, 989, 80, **_H200, source=_GPU),
+    "h200": Device("h200", 4800, 989, 141, **_H200, measured=True,
+                   source="scripts/gpu_check.sh on one H200, bf16, CUDA graphs, 2026-12-01"),
     # This machine, 1 torch thread, bf16 (AVX512-BF16), SmolLM2-135M shapes: `s2d bench plan-check`, 2026-11-30 16:38
     # UTC, shared machine (load average 1.7-3). Compute and the weight stream add on one core (overlap=False).
     "this-cpu": Device("this-cpu", 12.0, 0.313, 24, bandwidth_eff=1.0, flops_eff=1.0, layer_overhead_ms=0.292,

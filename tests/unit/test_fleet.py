@@ -133,3 +133,23 @@ def test_plan_check_runs_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, ca
     assert s2d["measured_mat"] >= 1 and "predicted_tps_measured_mat" in s2d
     assert r["device_measured"]["bandwidth_gbs"] > 0 and r["device_measured"]["layer_overhead_ms"] >= 0
     assert "Largest error" in capsys.readouterr().out
+
+
+def test_gpu_check_runs_are_priced_by_their_own_device_row():
+    """`s2d bench plan-check --gpu-json`: a graphed run's row prices its graphed rounds only (an eager round costs
+    host launches the graphed row never saw); trees are not in the model; errors are prediction / measurement - 1."""
+    import json
+    from pathlib import Path
+
+    from s2d_ray.bench.plan_check import gpu_errors, gpu_markdown
+
+    root = Path(__file__).resolve().parents[2] / "bench_results"
+    graphed = json.loads((root / "gpu-check-row-in-graph" / "gpu_check.json").read_text())
+    rows = gpu_errors(graphed)
+    assert {(r["mode"], r["batch"]) for r in rows} == {(m, b) for m in ("ar+graphs", "s2d+graphs") for b in (1, 8)}
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted_tps"] / r["measured_tps"] - 1)
+        assert r["measured_tps"] == graphed["engine"][str(r["batch"])][r["mode"]]["tokens_per_s"]
+    eager = gpu_errors(json.loads((root / "gpu-check" / "gpu_check.json").read_text()))
+    assert {r["mode"] for r in eager} == {"ar", "s2d"}
+    assert "| ar+graphs | 1 |" in gpu_markdown(graphed, rows)
