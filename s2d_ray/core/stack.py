@@ -113,6 +113,8 @@ class LayerStack(nn.Module):
         self.segments = list(zip(bounds[:-1], bounds[1:]))
         # On the CPU, attention runs as grouped matmuls (core/attention.py: 2-20x faster than SDPA there).
         self.grouped = self.device.type == "cpu" and not SDPA_ON_CPU
+        if self.grouped:
+            use_grouped(self.layers)
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
 
@@ -122,8 +124,6 @@ class LayerStack(nn.Module):
         from .graphs import SegmentGraphs
 
         self.graphs = SegmentGraphs(self, self.device.type == "cuda" if capture is None else capture)
-        if self.grouped:
-            use_grouped(self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
