@@ -12,6 +12,7 @@ from pathlib import Path
 from ..build import set_threads
 from ..commands.engine_args import FLOATS, INTS
 from ..config import DATA_DIR, DEFAULT_TARGET
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 DEFAULT_DATA = str(DATA_DIR / "train" / "instructions.jsonl")
@@ -137,6 +138,8 @@ def _register_selfdistill(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="bfloat16 decodes a batch ~2x faster on CPUs with AVX512-BF16/AMX (and on GPUs)")
     p.add_argument("--stop-after", type=int, default=None, help="directory mode: stop after N more chunks")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="directory mode: only chunks whose index %% N == I (N processes share one --out)")
     p.set_defaults(func=run_selfdistill)
 
 
@@ -161,7 +164,7 @@ def run_selfdistill(args: argparse.Namespace) -> int:
     picked = {"data": Path(args.data).name, "data_sha256_16": data_hash([Path(args.data)]), "split": args.split,
               "num": args.num, "gsm8k_fraction": args.gsm8k_fraction, "seed": args.seed}
     info = generate_chunks(args.target, rows, out, picked, args.max_new_tokens, args.batch_size, threads=args.threads,
-                           dtype=args.dtype, stop_after=args.stop_after)
+                           dtype=args.dtype, stop_after=args.stop_after, shard=parse_shard(args.shard))
     print(json.dumps({"rows": len(rows), **info, "out": args.out}))
     return 0
 
@@ -214,3 +217,16 @@ def run_eval_gsm8k(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(res, indent=2))
     print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
     return 0
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    """`I/N` -> (I, N) with 0 <= I < N."""
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard must look like I/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise ConfigError(f"--shard {text}: need 0 <= I < N")
+    return i, n

@@ -123,8 +123,11 @@ def chunk_plan(num_rows: int, targets: list[str], batch: int) -> list[tuple[int,
 
 def generate_chunks(targets: list[str], rows: list[dict], out_dir: Path, settings: dict, max_new_tokens: int = 256,
                     batch: int = 32, max_prompt: int = 384, threads: int | None = None, dtype: str = "float32",
-                    stop_after: int | None = None) -> dict:
+                    stop_after: int | None = None, shard: tuple[int, int] | None = None) -> dict:
     """Every target's responses as chunk files in `out_dir`; chunks already there are skipped (resume).
+
+    `shard` (i, n): only chunks with index % n == i, so n processes share one directory without ever writing the
+    same chunk (on a GPU, where one Python process per engine leaves the device mostly idle).
 
     `settings` (what picked the rows) is stored with the generation settings in selfdistill.json; a directory
     written with different ones is refused, so a resumed run never mixes two datasets."""
@@ -136,10 +139,14 @@ def generate_chunks(targets: list[str], rows: list[dict], out_dir: Path, setting
         old = json.loads(spec_path.read_text())
         if old != spec:
             raise ValueError(f"{out_dir} was generated with other settings ({old}); use another --out")
-    else:
-        spec_path.write_text(json.dumps(spec, indent=2))
+    else:  # written atomically: shards starting together must not read each other's half-written file
+        tmp = spec_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(spec, indent=2))
+        tmp.replace(spec_path)
     plan = chunk_plan(len(rows), targets, batch)
     todo = [p for p in plan if not (out_dir / f"chunk-{p[0]:06d}.jsonl.gz").exists()]
+    if shard is not None:
+        todo = [p for p in todo if p[0] % shard[1] == shard[0]]
     todo = todo[:stop_after] if stop_after is not None else todo
     responders: dict[str, Responder] = {}
     made, started = 0, time.perf_counter()

@@ -80,3 +80,30 @@ def test_cli_needs_a_directory_for_several_targets(tmp_path, two_targets, capsys
     assert main(["self-distill", "--target", *two_targets, "--data", str(data), "--out", str(tmp_path / "sd"),
                  "--max-new-tokens", "3", "--batch-size", "4", "--stop-after", "1"]) == 0
     assert len(list((tmp_path / "sd").glob("chunk-*.jsonl.gz"))) == 1
+
+
+def test_shards_write_disjoint_chunks_that_together_equal_one_run(tmp_path, two_targets):
+    """`--shard I/N`: N processes on one directory (a GPU run) never write the same chunk, and together they make
+    the same bytes as one process."""
+    rows = pick_rows(instruction_file(tmp_path / "i.jsonl"), None, 0, "train")
+    run_chunks(two_targets, rows, tmp_path / "one")
+    seen = []
+    for i in range(3):
+        before = set((tmp_path / "sharded").glob("chunk-*.jsonl.gz"))
+        generate_chunks(two_targets, rows, tmp_path / "sharded", {"seed": 0}, max_new_tokens=5, batch=3,
+                        shard=(i, 3))
+        new = set((tmp_path / "sharded").glob("chunk-*.jsonl.gz")) - before
+        assert all(int(p.name[6:12]) % 3 == i for p in new)
+        seen += new
+    assert len(seen) == len(set(seen)) == -(-len(rows) // 3)
+    assert data_hash([tmp_path / "sharded"]) == data_hash([tmp_path / "one"])
+
+
+def test_a_bad_shard_is_one_clear_error():
+    from s2d_ray.errors import ConfigError
+    from s2d_ray.train.cli import parse_shard
+
+    assert parse_shard("1/4") == (1, 4) and parse_shard(None) is None
+    for bad in ("4/4", "x/2", "1"):
+        with pytest.raises(ConfigError, match="--shard"):
+            parse_shard(bad)
