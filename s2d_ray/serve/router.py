@@ -36,7 +36,7 @@ from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
-from .prepare import ModelInfo, TextAssembler, to_generation
+from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
 from .loaders import load_tokenizer, model_context
 from .replica import replica_id
@@ -299,7 +299,8 @@ class Router:
     def _view(ids: ResponseIds, index: int, greq: GenerateRequest, oreq, info: ModelInfo) -> ChoiceView:
         echo = None
         if getattr(oreq, "echo", False):
-            echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(greq.prompt_token_ids)
+            # Token ids are checked (a 400) before they are decoded: the tokenizer fails on ids outside its vocabulary.
+            echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(encode(info, greq))
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
                           oreq.return_token_ids)
 

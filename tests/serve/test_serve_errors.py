@@ -26,6 +26,7 @@ CASES = [
     ("blank-prompt", "completions", {**OK, "prompt": "   "}, 400, None),
     ("empty-prompt-list", "completions", {**OK, "prompt": []}, 400, None),
     ("token-out-of-vocab", "completions", {**OK, "prompt": [5, 99999]}, 400, None),
+    ("negative-token-echo", "completions", {**OK, "prompt": [-1], "echo": True}, 400, None),  # echo decodes ids
     ("max-tokens-zero", "completions", {**OK, "max_tokens": 0}, 400, None),  # 0 only with echo
     ("max-tokens-negative", "completions", {**OK, "max_tokens": -3}, 400, "max_tokens"),
     ("max-tokens-over-limit", "completions", {**OK, "max_tokens": 65}, 400, None),
