@@ -1,0 +1,43 @@
+"""In-process twin of `s2d bench serve` at concurrency c: the same 24 prompts, 64 tokens greedy, continuous batching
+the way the router does it (a request joins between rounds while fewer than c run). tok/s = completion tokens / wall;
+per round: seconds, rows, prompt rows. Tells whether served plain loses at c8 to Serve or to the workload itself.
+Usage: python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (run from a checkout whose ../shared holds
+the Spec-Bench questions, e.g. cd /work/main with PYTHONPATH=<worktree>)"""
+import json, sys, time
+from s2d_ray.config import EngineConfig
+from s2d_ray.build import build_engine
+from s2d_ray.bench.serve import mixed_prompts
+from s2d_ray.core.engine import GenerationRequest
+from s2d_ray.prompts import encode_prompt
+
+prompts = mixed_prompts(None)[:24]
+b = build_engine(EngineConfig.model_validate({"spec": {"mode": sys.argv[2]}, "num_threads": 1,
+                                              "target": {"dtype": sys.argv[1]}}))
+tok, eng = b.target.tokenizer, b.engine
+ids = [encode_prompt(tok, p, chat=False) for p in prompts]
+eng.generate([GenerationRequest("warm", ids[0], 16)])
+for c in map(int, sys.argv[3:]):
+    todo = [GenerationRequest(f"c{c}r{i}", x, 64, stop_token_ids=(tok.eos_token_id,)) for i, x in enumerate(ids)]
+    rounds, n, t0 = [], 0, time.perf_counter()
+    while todo or eng.has_unfinished:
+        new = 0
+        while todo and len(eng.seqs) < c:
+            req = todo.pop(0)
+            eng.add_request(req)
+            new += len(req.prompt_ids)
+        rows = len(eng.seqs)
+        t = time.perf_counter()
+        outs = eng.step()
+        rounds.append((time.perf_counter() - t, rows, new))
+        n += sum(len(o.new_tokens) for o in outs)
+    dt = time.perf_counter() - t0
+    pr = [r for r in rounds if r[2]]
+    dec = [r for r in rounds if not r[2]]
+    print(json.dumps({"c": c, "tokens": n, "seconds": round(dt, 2), "tok_s": round(n / dt, 1), "rounds": len(rounds),
+                      "prompt_rounds": len(pr), "prompt_round_s": round(sum(r[0] for r in pr), 2),
+                      "decode_round_s": round(sum(r[0] for r in dec), 2),
+                      "decode_ms_by_rows": {k: round(1e3 * sum(r[0] for r in dec if r[1] == k) /
+                                                     max(1, sum(1 for r in dec if r[1] == k)), 1)
+                                            for k in sorted({r[1] for r in dec})},
+                      "rounds_by_rows": {k: sum(1 for r in rounds if r[1] == k) for k in sorted({r[1] for r in rounds})}}),
+          flush=True)
