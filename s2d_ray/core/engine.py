@@ -24,6 +24,7 @@ from .draft import Drafter
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
+from .steps import score_steps
 from .target import Verifier
 from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
@@ -94,8 +95,12 @@ class SpecEngine:
         max_context: int | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         budget: SpeculationBudget | None = None,
+        plain_steps: int = 1,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
+        # Greedy steps per verifier call in a round where no row can speculate (ScoreRequest.steps): the router sets
+        # it (each call costs a Ray round trip); a verifier that ignores `steps` answers one step, still exact.
+        self.plain_steps = plain_steps
         self.policy = policy or HeuristicK()
         # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
         self.budget = budget
@@ -176,7 +181,10 @@ class SpecEngine:
 
     def score_requests(self, drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
         """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one (and rows over
-        the whole prompt in the first round of a sequence that wants prompt logprobs; that round drafts nothing)."""
+        the whole prompt in the first round of a sequence that wants prompt logprobs; that round drafts nothing).
+        In a round where no row can speculate, a greedy row asks for up to `plain_steps` tokens in the one call."""
+        rows = [self.seqs[d.seq_id] for d in drafts if d.seq_id in self.seqs]
+        plain = self.plain_steps > 1 and all(self.drafter is None or not s.req.speculate for s in rows)
         out = []
         for d, p in zip(drafts, proposals):
             n = len(p.tokens) + 1
@@ -185,7 +193,11 @@ class SpecEngine:
                 n += len(d.tokens) - 1
             argmax_only = seq is not None and seq.req.params.greedy and seq.req.logprobs is None and \
                 not seq.req.prompt_logprobs
-            out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only))
+            steps = 1
+            if plain and argmax_only and not self._wants_prompt_rows(seq):
+                steps = 1 + min(self.plain_steps - 1, max(self._remaining(seq), 0))
+            out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only,
+                                    steps, seq.req.stop_token_ids if steps > 1 else ()))
         return out
 
     @staticmethod
@@ -214,6 +226,9 @@ class SpecEngine:
                 result = RoundResult(len(tree), n_acc, [tree.tokens[i] for i in path] + [nxt],
                                      [prop.exits[i] for i in path] + rest)
                 self.budget.observe(tree, path)
+            elif not prop.tokens and p_logits.dim() == 1 and len(p_logits) > 1:  # plain steps: the target's own ids
+                result = RoundResult(0, 0, p_logits.tolist(), [])
+                seq.metrics.num_target_forwards += len(p_logits) - 1
             else:
                 n_acc, nxt = self.sampler(prop.tokens, prop.q, p_logits, seq.req.params, gen)
                 result = RoundResult(len(prop.tokens), n_acc, prop.tokens[:n_acc] + [nxt], prop.exits)
@@ -295,7 +310,7 @@ class SpecEngine:
         proposals = self.shape_trees(live, drafted)
         t1 = time.perf_counter()
         requests = self.score_requests(drafts, proposals)
-        logits = self.verifier.score(requests)
+        logits = score_steps(self.verifier.score, requests)
         t2 = time.perf_counter()
         outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
         return self._observed(outputs, drafted, t0, t1, self._decode_verify(live, requests, t2 - t1))
@@ -329,16 +344,29 @@ class SpecEngine:
     @staticmethod
     def _decode_verify(live: list[_Sequence], requests: list[ScoreRequest], seconds: float) -> tuple | None:
         """(seconds, batch, positions) of a round's verification when no row filled a prompt (those rounds cost
-        what the prompt costs, not what the grid models), else None."""
-        if any(not seq.generated for seq in live):
+        what the prompt costs, not what the grid models) and no row took several plain steps, else None."""
+        if any(not seq.generated for seq in live) or any(r.steps > 1 for r in requests):
             return None
         return seconds, len(requests), max(r.num_logits for r in requests)
 
     def _propose(self, drafts: list[DraftRequest]) -> Any:
-        """The drafter's proposals (a list, or an awaitable of one from a remote drafter); empty when nothing drafts."""
-        if self.drafter is None or all(d.k == 0 and not d.tree for d in drafts):
-            return [Proposal.empty() for _ in drafts]
-        return self.drafter.propose(drafts)
+        """The drafter's proposals (a list, or an awaitable of one from a remote drafter); empty for rows that draft
+        nothing this round (a plain row, the last token): those never reach the drafter, so it holds no row for a
+        sequence that opted out and ships nothing for it."""
+        ask = [i for i, d in enumerate(drafts) if d.k > 0 or d.tree] if self.drafter is not None else []
+        if ask and len(ask) == len(drafts):
+            return self.drafter.propose(drafts)
+
+        def placed(got: list[Proposal]) -> list[Proposal]:
+            out = [Proposal.empty() for _ in drafts]
+            for i, p in zip(ask, got):
+                out[i] = p
+            return out
+
+        if not ask:
+            return placed([])
+        got = self.drafter.propose([drafts[i] for i in ask])
+        return _then(got, placed) if inspect.isawaitable(got) else placed(got)
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Decode all requests together until each finishes; results in request order."""
@@ -376,6 +404,10 @@ def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None 
     if path is None:
         return p_logits[:n_emitted]
     return p_logits[[0] + [i + 1 for i in path]][:n_emitted]
+
+
+async def _then(awaitable: Any, fn: Callable[[Any], Any]) -> Any:
+    return fn(await awaitable)
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -75,6 +75,11 @@ class ScoreRequest:
     # The caller needs only each row's argmax (a greedy row asking no logprobs): a remote verifier may answer with the
     # ids [num_logits] instead of [num_logits, V] logits (49152 floats a row for SmolLM2: megabytes per tree round).
     argmax_only: bool = False
+    # Plain greedy steps to take in this one call (a row with no draft, argmax_only, one logit): the verifier appends
+    # its own argmax and scores again, up to `steps` tokens or a token in `stop_ids`, and answers the ids it chose.
+    # A served round pays a Ray call per target call, so a plain row gets several tokens per call (`score_steps`).
+    steps: int = 1
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass

@@ -103,6 +103,13 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
     max_concurrent_sequences: int | None = Field(
         None, ge=1, description="Sequences decoded together for this target; default: limits.max_concurrent_sequences."
     )
+    plain_steps: int = Field(
+        4, ge=1, le=64, description="Greedy tokens per target call in a round where no row speculates (`mode: ar`, "
+        "or every request `speculate: false`): each call costs a Ray round trip (~7 ms on the reference CPU), so a "
+        "plain row takes up to this many of the target's own argmax steps per call. Same tokens; they stream in "
+        "bursts, and a new request waits up to this many steps to join. 1: one step per call. Tensor-parallel "
+        "targets always take one (their ranks step in lockstep)."
+    )
 
     @model_validator(mode="after")
     def _tp_dtype(self) -> "TargetSpec":

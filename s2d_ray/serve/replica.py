@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..core.sampling import compact_scores
+from ..core.steps import score_steps
 
 
 class ModelThread:
@@ -83,11 +84,12 @@ class Counted(NamedTuple):
 
 def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
     """Recomputed tokens per request, then what it ships back: argmax ids for `argmax_only` requests (greedy, no
-    logprobs), else the logits; run on the model thread."""
+    logprobs; the ids of every step for a row asking `steps > 1`), else the logits; run on the model thread."""
     recomputed = recomputed_tokens(verifier.table, requests, expected)
-    logits = verifier.score(requests)
+    logits = score_steps(verifier.score, requests)
     # Each tensor pickles alone, not the whole batch's storage (argmax makes a new one; logits are cloned).
-    return [compact_scores(x, r.argmax_only).clone() for x, r in zip(logits, requests)], recomputed
+    return [(x if r.steps > 1 else compact_scores(x, r.argmax_only)).clone() for x, r in zip(logits, requests)], \
+        recomputed
 
 
 def replica_id() -> str:

@@ -176,6 +176,8 @@ class Router:
             draft.times.observe = self.metrics.call_overhead.labels(name, "draft").observe
         ecfg = cfg.engine_config(name)
         engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
+        spec = cfg.target(name)
+        engine.plain_steps = spec.plain_steps if spec.tp_size == 1 else 1
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
 
     # --- the Python handle API ------------------------------------------------------------------------------------

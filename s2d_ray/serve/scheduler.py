@@ -207,8 +207,11 @@ class TargetClient:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
         self.times.add(time.perf_counter() - start, max((reply.seconds for _, reply in parts), default=0.0))
         results = aff.gathered(parts, len(requests))
-        for r in requests:  # a tree's nodes are not a sequence: count its prefix only (compacted on the next call)
-            aff.computed(r.seq_id, r.tokens if r.parents is None else r.tokens[: len(r.tokens) - len(r.parents)])
+        for r, res in zip(requests, results):
+            if r.steps > 1:  # plain steps: the replica also computed every chosen token but the last
+                aff.computed(r.seq_id, r.tokens + res.tolist()[:-1])
+            else:  # a tree's nodes are not a sequence: count its prefix only (compacted on the next call)
+                aff.computed(r.seq_id, r.tokens if r.parents is None else r.tokens[: len(r.tokens) - len(r.parents)])
         return results
 
     def release(self, seq_id: str) -> None:

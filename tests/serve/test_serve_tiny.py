@@ -60,6 +60,28 @@ def test_speculate_false_opts_one_request_out(tiny_app, refs):
     assert resp.text == expected and resp.metrics["num_draft_tokens"] == 0
 
 
+def test_plain_requests_take_several_target_steps_per_call(tiny_app, refs):
+    """`plain_steps` (default 4): rounds where no row speculates ask the target deployment for several greedy tokens
+    per call; the text is still target greedy (streamed or not, max_tokens exact) and the calls about a quarter."""
+    ref = refs["tiny-a"]
+
+    def calls() -> int:
+        return tiny_app.handle.stats.remote().result()["targets"]["tiny-a"]["deployment"]["num_calls"]
+
+    expected = ref.greedy(ref.ids(PROMPTS[2]), 24)
+    before = calls()
+    body = complete(tiny_app, "tiny-a", PROMPTS[2], 24, speculate=False)
+    used = calls() - before
+    assert body["choices"][0]["text"] == ref.text(expected) and body["usage"]["completion_tokens"] == len(expected)
+    assert used <= -(-len(expected) // 4)  # ceil(tokens / 4); one step per call would take len(expected)
+    short = complete(tiny_app, "tiny-a", PROMPTS[2], 7, speculate=False)
+    assert short["usage"]["completion_tokens"] == min(7, len(expected))
+    assert short["choices"][0]["text"] == ref.text(expected[:7])
+    events = sse_events(f"{tiny_app.url}/v1/completions", {"model": "tiny-a", "prompt": PROMPTS[2], "max_tokens": 24,
+                                                           "temperature": 0, "speculate": False})
+    assert "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"]) == ref.text(expected)
+
+
 def test_stream_concatenates_to_non_streaming(tiny_app):
     body = {"model": "tiny-a", "prompt": PROMPTS[2], "max_tokens": 30, "temperature": 0}
     r = post(f"{tiny_app.url}/v1/completions", body)

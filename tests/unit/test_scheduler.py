@@ -68,9 +68,11 @@ class TargetReplica:
 
     def __init__(self, verifier: TargetVerifier) -> None:
         self.verifier, self.batches, self.fail = verifier, [], False
+        self.seen: list[dict[str, int]] = []  # per call: seq_id -> positions the router says earlier calls computed
 
     def score(self, requests, seen, affinity=None):
         self.batches.append([r.seq_id for r in requests])
+        self.seen.append({r.seq_id: n for r, n in zip(requests, seen)})
         if self.fail:
             raise RuntimeError("target replica died")
         logits, recomputed = score_counted(self.verifier, requests, seen)
@@ -96,7 +98,7 @@ def expected(target):
 
 class Setup:
     def __init__(self, target, max_running: int, max_waiting: int, speculate: bool = True,
-                 max_context: int | None = None, retry_after_s: float = 60.0) -> None:
+                 max_context: int | None = None, retry_after_s: float = 60.0, plain_steps: int = 1) -> None:
         self.target_replica = TargetReplica(TargetVerifier(target))
         self.draft_replica = DraftReplica(SortedDrafter(noisy_draft(target)))
         self.target_handle = LocalHandle(self.target_replica)
@@ -106,7 +108,7 @@ class Setup:
             draft = DraftClient(LocalHandle(self.draft_replica), "t", timeout_s=5.0, retry_after_s=retry_after_s,
                                 on_fallback=self._fallback)
         verifier = TargetClient(self.target_handle, "t", timeout_s=5.0)
-        engine = SpecEngine(verifier, draft, policy=FixedK(3), max_context=max_context)
+        engine = SpecEngine(verifier, draft, policy=FixedK(3), max_context=max_context, plain_steps=plain_steps)
         self.sched = TargetScheduler("t", engine, max_running, max_waiting, ServeMetrics())
 
     def _fallback(self) -> None:
@@ -317,3 +319,21 @@ def test_ar_mode_scheduler_has_no_drafter(target, expected):
     results = s.run(main)
     assert [r[0] for r in results] == want[:3]
     assert s.draft_replica.calls == 0
+
+
+def test_plain_rounds_take_several_steps_per_target_call(target, expected):
+    """`plain_steps`: a round with no speculating row asks the target deployment for up to 4 greedy tokens per call;
+    the tokens are the target's, the calls a third of the tokens, and the router's record of what the replica
+    computed covers the steps (nothing counted as recomputed on the next call)."""
+    prompts, want = expected
+    s = Setup(target, max_running=3, max_waiting=4, speculate=False, plain_steps=4)
+
+    async def main():
+        return await asyncio.gather(*(collect(s.submit(f"r{i}", p)) for i, p in enumerate(prompts[:3])))
+
+    results = s.run(main)
+    assert [r[0] for r in results] == want[:3]
+    assert len(s.target_replica.batches) == NEW_TOKENS // 4  # one step per call: NEW_TOKENS calls
+    second = s.target_replica.seen[1]
+    assert second == {f"r{i}": len(p) + 3 for i, p in enumerate(prompts[:3])}  # prompt + 4 steps, the last no KV yet
+    assert sum(s.sched.engine.verifier.affinity.recomputed.values()) == 0
