@@ -171,8 +171,41 @@ def level_summary(concurrency: int, results: list[RequestResult], wall: float) -
     }
 
 
+async def server_timing(client, run: LoadRun) -> dict | None:
+    """The router's round and call clocks for the run's model (`timing` in /health; None from a server without
+    them). With several router replicas, /health answers from one of them."""
+    try:
+        resp = await client.get(f"{run.url}/health", timeout=10.0)
+        return resp.json()["targets"][run.model]["timing"]
+    except Exception:
+        return None
+
+
+def timing_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What one level added to the router's clocks: rounds and their mean ms, and per deployment (target, draft)
+    its calls, their mean wall ms, the replica's ms and the difference (the price of the call itself)."""
+    if not before or not after or "round" not in before or "round" not in after:
+        return None
+    total = lambda t, n, ms: t[n] * t[ms]  # noqa: E731  (the clocks report means; sums subtract)
+    rounds = after["round"]["rounds"] - before["round"]["rounds"]
+    if rounds <= 0:
+        return None
+    out: dict = {"rounds": rounds, "round_ms": (total(after["round"], "rounds", "mean_round_ms")
+                                                 - total(before["round"], "rounds", "mean_round_ms")) / rounds}
+    for role in ("target", "draft"):
+        a, b = before.get(role), after.get(role)
+        calls = (b["calls"] - a["calls"]) if a and b else 0
+        if calls > 0:
+            wall = total(b, "calls", "mean_call_ms") - total(a, "calls", "mean_call_ms")
+            replica = total(b, "calls", "mean_replica_ms") - total(a, "calls", "mean_replica_ms")
+            out[role] = {"calls": calls, "call_ms": wall / calls, "replica_ms": replica / calls,
+                         "overhead_ms": (wall - replica) / calls}
+    return out
+
+
 async def run_load(run: LoadRun, prompts: list[str]) -> dict:
-    """Every level in turn on one connection pool (loopback only; proxies from the environment are ignored)."""
+    """Every level in turn on one connection pool (loopback only; proxies from the environment are ignored); each
+    level also records what it added to the server's round and call clocks (`server`), where the server has them."""
     import httpx
 
     from .machine import machine_info
@@ -184,10 +217,13 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
     async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
         for c in run.concurrency:
             for label, speculate in variants:
+                clocks = await server_timing(client, run)
                 t0 = time.perf_counter()
                 results = await run_level(client, replace(run, speculate=speculate), c, prompts)
-                summary.append({**level_summary(c, results, time.perf_counter() - t0),
-                                **({"variant": label} if label else {})})
+                wall = time.perf_counter() - t0
+                server = timing_delta(clocks, await server_timing(client, run))
+                summary.append({**level_summary(c, results, wall), **({"variant": label} if label else {}),
+                                **({"server": server} if server else {})})
                 raw[f"{c}-{label}" if label else str(c)] = [asdict(r) for r in results]
                 logger.info("concurrency %d %s: %s", c, label or "", summary[-1])
     settings = {**asdict(run), "api_key": "***" if run.api_key else None}
@@ -215,6 +251,18 @@ def serve_markdown(result: dict) -> str:
         for c, spec, plain in pairs:
             ratio = spec / plain if plain else float("nan")
             lines.append(f"| {c} | {spec:.2f} | {plain:.2f} | {ratio:.2f} |")
+    timed = [s for s in result["summary"] if s.get("server")]
+    if timed:
+        lines += ["", "Server clocks per level (the router's `timing`: rounds, and per call the wall ms, the replica's "
+                  "ms and the difference, the price of the call itself):", "",
+                  "| level | rounds | tokens / round | round ms | target calls | call ms | replica ms | overhead ms "
+                  "| draft calls | draft overhead ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for s in timed:
+            t, tg, dr = s["server"], s["server"].get("target", {}), s["server"].get("draft", {})
+            level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
+            lines.append(f"| {level} | {t['rounds']} | {s['output_tokens'] / t['rounds']:.2f} | {t['round_ms']:.1f} | "
+                         f"{tg.get('calls', 0)} | {_f(tg.get('call_ms'))} | {_f(tg.get('replica_ms'))} | "
+                         f"{_f(tg.get('overhead_ms'))} | {dr.get('calls', 0)} | {_f(dr.get('overhead_ms'))} |")
     errors = [e for s in result["summary"] for e in s["error_samples"]]
     if errors:
         lines += ["", "Errors seen: " + "; ".join(sorted(set(errors))[:5])]

@@ -186,7 +186,8 @@ def _free_port() -> int:
 def sse_server():
     """A stand-in OpenAI streaming endpoint on 127.0.0.1 (the real router replaces it once it exists):
     5 chunks of 2 tokens (10 of 1 with `speculate: false`), usage last; prompt "FAIL" -> 400, prompt "HANG" -> never
-    answers."""
+    answers. /health has the router's clocks for model "m": a round and a target call per chunk (20 ms rounds, 15 ms
+    calls of which the replica spent 10)."""
     import asyncio
 
     import uvicorn
@@ -194,6 +195,14 @@ def sse_server():
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI()
+    chunks_sent = [0]
+
+    @app.get("/health")
+    async def health():
+        n = chunks_sent[0]
+        return {"targets": {"m": {"timing": {
+            "round": {"rounds": n, "mean_round_ms": 20.0, "mean_gap_ms": 0.0},
+            "target": {"calls": n, "mean_call_ms": 15.0, "mean_replica_ms": 10.0, "mean_overhead_ms": 5.0}}}}}
 
     @app.post("/v1/completions")
     async def completions(body: dict):
@@ -206,6 +215,7 @@ def sse_server():
             chunks = 10 if body.get("speculate") is False else 5  # "plain decoding": a token per chunk, slower
             for i in range(chunks):
                 await asyncio.sleep(0.01)
+                chunks_sent[0] += 1
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f'ab{i}'}]})}\n\n"
             if body.get("stream_options", {}).get("include_usage"):
                 yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 10}})}\n\n"
@@ -329,3 +339,22 @@ def test_load_client_keeps_prompt_indices_and_leaves_ids_none_without_the_extens
     assert all(r["ok"] and r["token_ids"] is None for r in rows)
     assert sorted(r["prompt_index"] for r in rows) == [0, 0, 1, 1]
     assert served_outputs(result) == []
+
+
+def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
+    """`server` per level: rounds and call times from /health before and after the level (the stand-in counts a
+    round and a call per chunk: 5 per request, 10 with speculate false); the markdown tabulates them."""
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown, timing_delta
+
+    run = LoadRun(sse_server, "m", [1, 2], requests=4, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True)
+    result = asyncio.run(run_load(run, ["hello"]))
+    for level in result["summary"]:
+        server = level["server"]
+        assert server["rounds"] == level["completed"] * (10 if level["variant"] == "plain" else 5)
+        assert server["round_ms"] == pytest.approx(20.0) and "draft" not in server
+        assert server["target"]["calls"] == server["rounds"]
+        assert server["target"]["overhead_ms"] == pytest.approx(5.0)
+    assert "| 1 plain | 40 | 1.00 | 20.0 | 40 | 15.0 | 10.0 | 5.0 | 0 | - |" in serve_markdown(result)
+    assert timing_delta(None, {"round": {}}) is None  # a server without clocks: nothing recorded
