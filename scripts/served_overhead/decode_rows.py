@@ -1,7 +1,8 @@
 """What one plain decode round costs in-process by rows and context length (the serve-bench prompts: a few of ~700
 tokens among short ones), and a torch profile of 8 rows over mixed contexts: where a batch-8 round goes.
-Usage (from a checkout whose ../shared holds the Spec-Bench questions): python scripts/served_overhead/decode_rows.py"""
-import time
+Usage: [QUESTIONS=question.jsonl] python scripts/served_overhead/decode_rows.py"""
+import os, time
+from pathlib import Path
 from s2d_ray.config import EngineConfig
 from s2d_ray.build import build_engine
 from s2d_ray.bench.serve import mixed_prompts
@@ -9,7 +10,7 @@ from s2d_ray.core.engine import GenerationRequest
 from s2d_ray.prompts import encode_prompt
 from torch.profiler import ProfilerActivity, profile
 
-prompts = mixed_prompts(None)[:24]
+prompts = mixed_prompts(Path(os.environ['QUESTIONS']) if os.environ.get('QUESTIONS') else None)[:24]
 b = build_engine(EngineConfig.model_validate({"spec": {"mode": "ar"}, "num_threads": 1, "target": {"dtype": "auto"}}))
 eng = b.engine
 ids = [encode_prompt(b.target.tokenizer, p, chat=False) for p in prompts]

@@ -1,16 +1,17 @@
 """In-process twin of `s2d bench serve` at concurrency c: the same 24 prompts, 64 tokens greedy, continuous batching
 the way the router does it (a request joins between rounds while fewer than c run). tok/s = completion tokens / wall;
 per round: seconds, rows, prompt rows. Tells whether served plain loses at c8 to Serve or to the workload itself.
-Usage: python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (run from a checkout whose ../shared holds
-the Spec-Bench questions, e.g. cd /work/main with PYTHONPATH=<worktree>)"""
-import json, sys, time
+Usage: python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (the Spec-Bench questions from QUESTIONS=path,
+else ../shared next to the checkout)"""
+import json, os, sys, time
+from pathlib import Path
 from s2d_ray.config import EngineConfig
 from s2d_ray.build import build_engine
 from s2d_ray.bench.serve import mixed_prompts
 from s2d_ray.core.engine import GenerationRequest
 from s2d_ray.prompts import encode_prompt
 
-prompts = mixed_prompts(None)[:24]
+prompts = mixed_prompts(Path(os.environ['QUESTIONS']) if os.environ.get('QUESTIONS') else None)[:24]
 b = build_engine(EngineConfig.model_validate({"spec": {"mode": sys.argv[2]}, "num_threads": 1,
                                               "target": {"dtype": sys.argv[1]}}))
 tok, eng = b.target.tokenizer, b.engine
