@@ -183,7 +183,8 @@ async def server_timing(client, run: LoadRun) -> dict | None:
 
 def timing_delta(before: dict | None, after: dict | None) -> dict | None:
     """What one level added to the router's clocks: rounds and their mean ms, and per deployment (target, draft)
-    its calls, their mean wall ms, the replica's ms and the difference (the price of the call itself)."""
+    its calls, their mean wall ms, the replica's ms, the difference (the price of the call itself) and the model
+    thread's CPU ms (None where the server does not measure it)."""
     if not before or not after or "round" not in before or "round" not in after:
         return None
     total = lambda t, n, ms: t[n] * t[ms]  # noqa: E731  (the clocks report means; sums subtract)
@@ -198,8 +199,10 @@ def timing_delta(before: dict | None, after: dict | None) -> dict | None:
         if calls > 0:
             wall = total(b, "calls", "mean_call_ms") - total(a, "calls", "mean_call_ms")
             replica = total(b, "calls", "mean_replica_ms") - total(a, "calls", "mean_replica_ms")
+            cpu = total(b, "calls", "mean_replica_cpu_ms") - total(a, "calls", "mean_replica_cpu_ms") \
+                if "mean_replica_cpu_ms" in a and "mean_replica_cpu_ms" in b else 0.0
             out[role] = {"calls": calls, "call_ms": wall / calls, "replica_ms": replica / calls,
-                         "overhead_ms": (wall - replica) / calls}
+                         "overhead_ms": (wall - replica) / calls, "replica_cpu_ms": cpu / calls if cpu > 0 else None}
     return out
 
 
@@ -254,15 +257,16 @@ def serve_markdown(result: dict) -> str:
     timed = [s for s in result["summary"] if s.get("server")]
     if timed:
         lines += ["", "Server clocks per level (the router's `timing`: rounds, and per call the wall ms, the replica's "
-                  "ms and the difference, the price of the call itself):", "",
-                  "| level | rounds | tokens / round | round ms | target calls | call ms | replica ms | overhead ms "
-                  "| draft calls | draft overhead ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "ms, the difference (the price of the call itself), and the model thread's CPU ms in the replica):",
+                  "", "| level | rounds | tokens / round | round ms | target calls | call ms | replica ms | overhead ms "
+                  "| replica CPU ms | draft calls | draft overhead ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in timed:
             t, tg, dr = s["server"], s["server"].get("target", {}), s["server"].get("draft", {})
             level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
             lines.append(f"| {level} | {t['rounds']} | {s['output_tokens'] / t['rounds']:.2f} | {t['round_ms']:.1f} | "
                          f"{tg.get('calls', 0)} | {_f(tg.get('call_ms'))} | {_f(tg.get('replica_ms'))} | "
-                         f"{_f(tg.get('overhead_ms'))} | {dr.get('calls', 0)} | {_f(dr.get('overhead_ms'))} |")
+                         f"{_f(tg.get('overhead_ms'))} | {_f(tg.get('replica_cpu_ms'))} | {dr.get('calls', 0)} | "
+                         f"{_f(dr.get('overhead_ms'))} |")
     errors = [e for s in result["summary"] for e in s["error_samples"]]
     if errors:
         lines += ["", "Errors seen: " + "; ".join(sorted(set(errors))[:5])]

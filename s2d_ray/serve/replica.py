@@ -21,12 +21,22 @@ class ModelThread:
 
     def __init__(self, num_threads: int | None) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2d-model")
+        # CPU seconds the thread spent in calls (time.thread_time): against their wall time, it tells a forward slowed
+        # by waiting (for a core, or for the GIL held by the replica's other threads) from a slow forward.
+        self.cpu_s = 0.0
         if num_threads:
             # torch's intra-op thread count is per thread that runs ops: set it on the model thread itself.
             self._pool.submit(torch.set_num_threads, num_threads).result()
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, partial(fn, *args))
+
+    def _timed(self, fn: Callable[[], Any]) -> Any:
+        start = time.thread_time()
+        try:
+            return fn()
+        finally:
+            self.cpu_s += time.thread_time() - start
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -74,12 +84,14 @@ class Counted(NamedTuple):
     """A model call's answer plus what it cost in recomputation, and where it ran (for s2d_recomputed_tokens_total
     per deployment and replica, counted by the caller so that every call is counted once); `seconds`: what the
     replica spent on the batch that served the call (its forwards and the model-thread hop), so the caller can tell
-    the cost of the call itself (transport, batching, queueing) from the model's."""
+    the cost of the call itself (transport, batching, queueing) from the model's; `cpu_seconds`: the model thread's
+    CPU time in it (0 where not measured), below `seconds` by what the forwards waited for a core or the GIL."""
 
     results: list
     recomputed: int
     replica: str
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:

@@ -111,19 +111,21 @@ class CallTimes:
     calls: int = 0
     wall_s: float = 0.0
     replica_s: float = 0.0
+    replica_cpu_s: float = 0.0  # the model thread's CPU time in those calls (Counted.cpu_seconds; 0: not measured)
     observe: Callable[[float], None] | None = None  # e.g. a Prometheus histogram's observe, per call overhead
 
-    def add(self, wall_s: float, replica_s: float) -> None:
+    def add(self, wall_s: float, replica_s: float, replica_cpu_s: float = 0.0) -> None:
         self.calls += 1
         self.wall_s += wall_s
         self.replica_s += replica_s
+        self.replica_cpu_s += replica_cpu_s
         if self.observe is not None and replica_s > 0:
             self.observe(max(wall_s - replica_s, 0.0))
 
     def summary(self) -> dict:
         n = max(self.calls, 1)
         return {"calls": self.calls, "mean_call_ms": 1e3 * self.wall_s / n,
-                "mean_replica_ms": 1e3 * self.replica_s / n,
+                "mean_replica_ms": 1e3 * self.replica_s / n, "mean_replica_cpu_ms": 1e3 * self.replica_cpu_s / n,
                 "mean_overhead_ms": 1e3 * (self.wall_s - self.replica_s) / n}
 
 
@@ -205,7 +207,9 @@ class TargetClient:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
-        self.times.add(time.perf_counter() - start, max((reply.seconds for _, reply in parts), default=0.0))
+        slowest = max((reply for _, reply in parts), key=lambda reply: reply.seconds, default=None)
+        self.times.add(time.perf_counter() - start, slowest.seconds if slowest else 0.0,
+                       slowest.cpu_seconds if slowest else 0.0)
         results = aff.gathered(parts, len(requests))
         for r, res in zip(requests, results):
             if r.steps > 1:  # plain steps: the replica also computed every chosen token but the last

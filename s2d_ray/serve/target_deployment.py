@@ -48,6 +48,10 @@ class LocalTarget:
         return {"tp_size": 1, "num_evicted": table.num_evicted, "num_forked_tokens": table.num_forked_tokens,
                 "cache_bytes": self.verifier.cache.nbytes()}
 
+    @property
+    def cpu_s(self) -> float:
+        return self.thread.cpu_s
+
     def close(self) -> None:
         self.thread.close()
 
@@ -87,15 +91,15 @@ class TargetDeployment:
         self.num_calls += len(batches)
         logits: list[torch.Tensor] = []
         recomputed: list[int] = []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), self.backend.cpu_s
         for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
             out, counts = await self.backend.score(part, part_expected)
             self.num_forwards += 1
             logits += out
             recomputed += counts
         self.recomputed += sum(recomputed)
-        seconds = time.perf_counter() - start
-        return [Counted(out, sum(counts), self.replica, seconds)
+        seconds, cpu = time.perf_counter() - start, self.backend.cpu_s - cpu
+        return [Counted(out, sum(counts), self.replica, seconds, cpu)
                 for out, counts in zip(split_like(logits, batches), split_like(recomputed, batches))]
 
     async def release(self, seq_id: str, affinity: str | None = None) -> None:

@@ -93,6 +93,8 @@ class TPWorker:
 class TPGroup:
     """The replica's side of a TP target: starts the ranks in its placement group and drives them in lockstep."""
 
+    cpu_s = 0.0  # the model threads are the ranks' (other actors): not measured here (Counted.cpu_seconds 0)
+
     def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float, max_slots: int) -> None:
         self.size, self.call_timeout_s = spec.tp_size, call_timeout_s
         self.port = free_port()

@@ -337,3 +337,32 @@ def test_plain_rounds_take_several_steps_per_target_call(target, expected):
     second = s.target_replica.seen[1]
     assert second == {f"r{i}": len(p) + 3 for i, p in enumerate(prompts[:3])}  # prompt + 4 steps, the last no KV yet
     assert sum(s.sched.engine.verifier.affinity.recomputed.values()) == 0
+
+
+def test_the_model_thread_counts_its_cpu_time_apart_from_waiting():
+    """ModelThread.cpu_s: CPU seconds of its calls (time.thread_time), so a replica can tell a forward that waited
+    (for a core or the GIL) from a slow one; CallTimes reports it per call."""
+    import time
+
+    from s2d_ray.serve.replica import ModelThread
+    from s2d_ray.serve.scheduler import CallTimes
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    thread = ModelThread(None)
+
+    async def main():
+        await thread.run(time.sleep, 0.2)  # waiting, not computing
+        slept = thread.cpu_s
+        await thread.run(spin, 0.1)
+        return slept, thread.cpu_s - slept
+
+    slept, spun = asyncio.run(main())
+    thread.close()
+    assert slept < 0.05 and 0.1 <= spun < 0.5
+    times = CallTimes()
+    times.add(0.030, 0.020, 0.015)
+    assert times.summary()["mean_replica_cpu_ms"] == pytest.approx(15.0)
