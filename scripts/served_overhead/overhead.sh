@@ -21,4 +21,4 @@ for mode in ${MODES:-plain s2d}; do
   curl -s http://127.0.0.1:8000/health | python3 -c "import json,sys; d=json.load(sys.stdin); print(json.dumps({k:v['timing'] for k,v in d['targets'].items()}))" | tee $out/timing-$mode.json
   [ -n "${SPY:-}" ] && sleep ${DUR:-25}
 done
-kill -INT $sp; wait $sp
+kill -INT $sp; for i in $(seq 1 30); do kill -0 $sp 2>/dev/null || break; sleep 1; done; kill $sp 2>/dev/null; sleep 3

@@ -19,5 +19,5 @@ for pass in 1 2; do
     grep -E "^\| [0-9]+ \|" $out/$model-$pass/serve.md | sed "s/^/$model pass $pass: /"
   done
 done
-kill -INT $sp; wait $sp
+kill -INT $sp; for i in $(seq 1 30); do kill -0 $sp 2>/dev/null || break; sleep 1; done; kill $sp 2>/dev/null; sleep 3
 [ -z "${NOTWIN:-}" ] && QUESTIONS=$q $PY scripts/served_overhead/inproc_load.py auto ar 1 8 2>/dev/null | tee $out/inproc.log
