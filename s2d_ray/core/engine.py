@@ -98,8 +98,8 @@ class SpecEngine:
         plain_steps: int = 1,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
-        # Greedy steps per verifier call in a round where no row can speculate (ScoreRequest.steps): the router sets
-        # it (each call costs a Ray round trip); a verifier that ignores `steps` answers one step, still exact.
+        # Greedy steps per verifier call in a round where no row has draft tokens (ScoreRequest.steps): the router
+        # sets it (each call costs a Ray round trip); a verifier that ignores `steps` answers one step, still exact.
         self.plain_steps = plain_steps
         self.policy = policy or HeuristicK()
         # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
@@ -182,9 +182,9 @@ class SpecEngine:
     def score_requests(self, drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
         """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one (and rows over
         the whole prompt in the first round of a sequence that wants prompt logprobs; that round drafts nothing).
-        In a round where no row can speculate, a greedy row asks for up to `plain_steps` tokens in the one call."""
-        rows = [self.seqs[d.seq_id] for d in drafts if d.seq_id in self.seqs]
-        plain = self.plain_steps > 1 and all(self.drafter is None or not s.req.speculate for s in rows)
+        In a round where no row has draft tokens (plain decoding, every row opted out, or speculation switched off
+        for the round), a greedy row asks for up to `plain_steps` tokens in the one call."""
+        plain = self.plain_steps > 1 and not any(p.tokens for p in proposals)
         out = []
         for d, p in zip(drafts, proposals):
             n = len(p.tokens) + 1

@@ -104,8 +104,9 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
         None, ge=1, description="Sequences decoded together for this target; default: limits.max_concurrent_sequences."
     )
     plain_steps: int = Field(
-        4, ge=1, le=64, description="Greedy tokens per target call in a round where no row speculates (`mode: ar`, "
-        "or every request `speculate: false`): each call costs a Ray round trip (~7 ms on the reference CPU), so a "
+        4, ge=1, le=64, description="Greedy tokens per target call in a round where no row has draft tokens (`mode: "
+        "ar`, every request `speculate: false`, or drafting switched off for the round by the load-aware budget): "
+        "each call costs a Ray round trip (~7 ms on the reference CPU), so a "
         "plain row takes up to this many of the target's own argmax steps per call. Same tokens; they stream in "
         "bursts, and a new request waits up to this many steps to join. 1: one step per call. Tensor-parallel "
         "targets always take one (their ranks step in lockstep)."

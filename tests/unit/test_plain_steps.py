@@ -88,20 +88,45 @@ def test_plain_engine_takes_several_steps_per_call_with_every_stop_rule(target):
     assert shipped.verifier.num_active == 0
 
 
-def test_a_round_with_a_speculating_or_sampling_row_takes_one_step(target):
+def test_a_round_with_draft_tokens_or_a_sampling_row_takes_one_step(target):
     prompts = random_prompts(3, seed=6)
     ref = [reference_greedy(target, p, 10) for p in prompts]
     shipped = Shipped(TargetVerifier(target))
+    drafted = []  # per call: did any row carry draft tokens
+    score = shipped.score
+    shipped.score = lambda requests: (drafted.append(any(r.num_logits > 1 for r in requests)), score(requests))[1]
     engine = SpecEngine(shipped, SortedDrafter(noisy_draft(target)), FixedK(3), plain_steps=4)
     reqs = [GenerationRequest("plain", prompts[0], 10, speculate=False),
             GenerationRequest("spec", prompts[1], 4),
             GenerationRequest("hot", prompts[2], 10, SamplingParams(temperature=0.9, seed=1), speculate=False)]
     out = {r.seq_id: r for r in engine.generate(reqs)}
     assert out["plain"].token_ids == ref[0] and out["spec"].token_ids == ref[1][:4]
-    with_spec = [c for c in shipped.calls if "spec" in c]
-    assert with_spec and all(s == 1 for c in with_spec for s in c.values())  # a drafting row: one step for all
+    assert any(drafted) and all(s == 1 for c, d in zip(shipped.calls, drafted) if d for s in c.values())
     after = [c for c in shipped.calls if "spec" not in c and "plain" in c and "hot" in c]
     assert after and after[0]["plain"] > 1 and all(c["hot"] == 1 for c in after)  # sampling rows step once
+
+
+class NoProposals:
+    """A drafter that proposes nothing (as when the load-aware budget switches drafting off for the round)."""
+
+    def propose(self, drafts):
+        from s2d_ray.core.types import Proposal
+
+        return [Proposal.empty() for _ in drafts]
+
+    def release(self, seq_id):
+        pass
+
+
+def test_rounds_where_speculating_rows_draft_nothing_take_several_steps(target):
+    """Speculation on, but no row got draft tokens this round: the round is plain decoding, so it steps like one."""
+    prompts = random_prompts(2, seed=8)
+    ref = [reference_greedy(target, p, 9) for p in prompts]
+    shipped = Shipped(TargetVerifier(target))
+    engine = SpecEngine(shipped, NoProposals(), FixedK(3), plain_steps=4)
+    out = engine.generate([GenerationRequest(f"s{i}", p, 9) for i, p in enumerate(prompts)])
+    assert [r.token_ids for r in out] == ref
+    assert [c["s0"] for c in shipped.calls] == [4, 4, 1]
 
 
 def test_rows_that_opted_out_never_reach_the_drafter(target):
