@@ -20,6 +20,13 @@ if _TESTS_DIR not in sys.path:
 from helpers import save_tiny_llama  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Back to one thread before every test: a test that runs the CLI (set_threads: all cores) must not leave the
+    next tests on two OpenMP threads, which on a loaded 2-core machine turned a 1 s device test into a 20-minute one."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def tiny_llama_dir(tmp_path: Path) -> Path:
     """A fresh HF directory with a tiny random LlamaForCausalLM + byte-level BPE tokenizer (vocab 320)."""

@@ -133,6 +133,7 @@ class SegmentGraphs:
         st = self.stack
         lo, hi = st.segments[seg]
         cache._rows, cache._positions, cache._kv_len, cache._all_rows = slot.rows, slot.positions, s, False
+        cache._span = None  # rows vary from replay to replay: always gathered
         mask = slot.mask if st.grouped else head_mask(slot.mask, st.parts.num_heads)
         cos_sin = st.parts.rotary(slot.x, position_ids=slot.rope)
         h = slot.x

@@ -113,7 +113,21 @@ class TargetVerifier:
         return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
 
     def _forward(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int]) -> torch.Tensor:
-        """One padded forward over these rows' positions start..end; hidden states [rows, width, h]."""
+        """One padded forward over these rows' positions start..end; hidden states [rows, width, h].
+
+        The rows run sorted by cache row: a batch holding rows r..r+n-1 then attends over a view of the cache instead
+        of a gathered copy of every layer's K/V (SlotKVCache.select)."""
+        order = sorted(range(len(requests)), key=lambda i: states[i].row)
+        if order != list(range(len(requests))):
+            hidden = self._forward_sorted([requests[i] for i in order], [states[i] for i in order],
+                                          [starts[i] for i in order], [ends[i] for i in order])
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+            return hidden[inverse.to(hidden.device)]
+        return self._forward_sorted(requests, states, starts, ends)
+
+    def _forward_sorted(self, requests: list[ScoreRequest], states: list, starts: list[int],
+                        ends: list[int]) -> torch.Tensor:
         device = self.stack.device
         positions, _ = pending_grid(starts, ends, device)
         ids = torch.zeros(positions.shape, dtype=torch.long, device=device)
