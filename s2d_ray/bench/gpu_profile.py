@@ -14,28 +14,14 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..fleet.measure import random_llama, sync
-from ..fleet.shapes import SHAPES
+from ..fleet.measure import median_ms, random_llama, sync
+from .gpu_check import shapes
 
 logger = logging.getLogger(__name__)
-
-
-def timed(fn, device: torch.device, repeat: int) -> float:
-    """Median ms of `fn` (after one warm call)."""
-    fn()
-    sync(device)
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        out.append(1e3 * (time.perf_counter() - t0))
-    return sorted(out)[len(out) // 2]
 
 
 def hf_step_ms(model, prompt: torch.Tensor, device: torch.device, steps: int) -> float:
@@ -73,10 +59,7 @@ def run(out_dir: Path, tiny: bool, compile_: bool) -> dict:
     from ..core.types import ScoreRequest
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = SHAPES["llama-2-7b"]
-    if tiny:
-        shape = replace(shape, hidden=shape.hidden // 32, intermediate=shape.intermediate // 32,
-                        head_dim=shape.head_dim // 8, vocab=512)
+    shape = shapes(tiny)["llama-2-7b"]  # gpu_check's shapes: the same tiny widths for the dry run
     layers = 4 if tiny else shape.layers
     model = random_llama(shape, layers, torch.bfloat16, device)
     ctx = [(7 * i) % (shape.vocab - 3) + 3 for i in range(128)]
@@ -99,7 +82,7 @@ def run(out_dir: Path, tiny: bool, compile_: bool) -> dict:
         toks.append(5)
         verifier.score([ScoreRequest("v", toks, 1)])
 
-    res["verifier_step_ms"] = timed(our_step, device, steps)
+    res["verifier_step_ms"] = median_ms(our_step, device, steps, warmup=1)
     logger.info("our verifier step: %.2f ms", res["verifier_step_ms"])
     engine = SpecEngine(TargetVerifier(model))
     engine.generate([GenerationRequest("w", ctx, 4)])

@@ -47,7 +47,6 @@ class SlotKVCache:
         self._rows: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
         self._kv_len = 0
-        self._all_rows = False
         self._span: tuple[int, int] | None = None
         self.max_rows: int | None = None  # growth caps (None: unbounded); see RowTable.set_limits
         self.max_slots: int | None = None
@@ -84,13 +83,17 @@ class SlotKVCache:
         """
         first = int(rows.min())
         self.reserve(int(rows.max()) + 1, max(kv_len, int(positions.max()) + 1))
-        self._rows, self._positions, self._kv_len = rows, positions, kv_len
         # Rows first..first+n-1 in order (callers sort their batch by row): attention reads a view of the cache.
         # Any other set is gathered, a copy of every layer's K/V per call (measured: about half of an 8-row round
         # over mixed contexts on this CPU).
         span = torch.arange(first, first + rows.numel(), device=rows.device)
-        self._span = (first, first + rows.numel()) if bool((rows == span).all()) else None
-        self._all_rows = self._span == (0, self.num_rows)
+        self.point(rows, positions, kv_len, (first, first + rows.numel()) if bool((rows == span).all()) else None)
+
+    def point(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
+              span: tuple[int, int] | None = None) -> None:
+        """`select` without its checks and growth (no host sync): for callers that reserved the slots themselves
+        (CUDA graphs, whose rows change between replays, so they pass no span and always gather)."""
+        self._rows, self._positions, self._kv_len, self._span = rows, positions, kv_len, span
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write new k/v ([n, kv_heads, s, head_dim]) at the selected slots; return k/v over the first kv_len slots."""

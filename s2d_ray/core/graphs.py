@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import SlotKVCache, additive_mask, causal_allowed, head_mask
+from .cache import SlotKVCache, additive_mask, causal_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +130,8 @@ class SegmentGraphs:
 
     def _forward(self, seg: int, slot: _Bucket, cache: SlotKVCache, s: int) -> torch.Tensor:
         """The segment's layers over the static inputs (what a graph captures)."""
-        st = self.stack
-        lo, hi = st.segments[seg]
-        cache._rows, cache._positions, cache._kv_len, cache._all_rows = slot.rows, slot.positions, s, False
-        cache._span = None  # rows vary from replay to replay: always gathered
-        mask = slot.mask if st.grouped else head_mask(slot.mask, st.parts.num_heads)
-        cos_sin = st.parts.rotary(slot.x, position_ids=slot.rope)
-        h = slot.x
-        for layer in st.layers[lo:hi]:
-            out = layer(h, attention_mask=mask, position_ids=slot.rope, position_embeddings=cos_sin,
-                        **{st.cache_kwarg: cache})
-            h = out[0] if isinstance(out, tuple) else out
-        return h
+        cache.point(slot.rows, slot.positions, s)  # rows vary from replay to replay: always gathered
+        return self.stack.run_layers(seg, slot.x, slot.mask, slot.rope, cache)
 
     def _capture(self, seg: int, slot: _Bucket, cache: SlotKVCache, s: int) -> None:
         """Warm up on a side stream (as CUDA graphs require), then capture. The warm-up writes the same K/V the

@@ -168,13 +168,18 @@ class LayerStack(nn.Module):
             out = self.graphs.run(seg, x, rows, positions, cache, rope_positions, allowed)
             if out is not None:
                 return out
-        lo, hi = self.segments[seg]
         kv_len = int(positions.max()) + 1
         cache.select(rows, positions, kv_len)
         mask = slot_mask(positions, kv_len, x.dtype) if allowed is None else additive_mask(allowed, x.dtype)
+        return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache)
+
+    def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor,
+                   cache: SlotKVCache) -> torch.Tensor:
+        """One segment's layers over x with an additive mask [n, 1, s, kv_len] and RoPE positions, the cache already
+        pointed at its rows and slots (eager calls and the graphs a SegmentGraphs captures share this)."""
+        lo, hi = self.segments[seg]
         if not self.grouped:  # grouped attention broadcasts one mask over the heads
             mask = head_mask(mask, self.parts.num_heads)
-        rope = positions if rope_positions is None else rope_positions
         cos_sin = self.parts.rotary(x, position_ids=rope)
         for layer in self.layers[lo:hi]:
             out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin,

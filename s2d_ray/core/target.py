@@ -121,9 +121,7 @@ class TargetVerifier:
         if order != list(range(len(requests))):
             hidden = self._forward_sorted([requests[i] for i in order], [states[i] for i in order],
                                           [starts[i] for i in order], [ends[i] for i in order])
-            inverse = torch.empty(len(order), dtype=torch.long)
-            inverse[torch.tensor(order)] = torch.arange(len(order))
-            return hidden[inverse.to(hidden.device)]
+            return hidden[torch.tensor(order).argsort().to(hidden.device)]
         return self._forward_sorted(requests, states, starts, ends)
 
     def _forward_sorted(self, requests: list[ScoreRequest], states: list, starts: list[int],
