@@ -17,6 +17,13 @@ import torch
 from torch import nn
 
 GROUPED = "s2d_grouped"
+# Up to this many stacked queries per KV head, scores are computed as K @ Q^T: BLAS reads the cache's K view (row
+# stride kv_heads x head_dim) as it is, where Q @ K^T made torch copy every row's K first. 8 decode rows over 830
+# slots: 219 us a layer against 825; from ~16 queries on, Q @ K^T wins again (measured, BENCHMARKS.md §3).
+KEY_LEFT_MAX = 24
+# What one more attention group costs, in row-slots read (plan_kv_groups): ~6 more small ops a layer, ~0.1 ms, against
+# ~0.06 us per row-slot of K/V copied and multiplied (bf16, SmolLM2 shapes, one thread; BENCHMARKS.md §3).
+GROUP_OVERHEAD_SLOTS = 1024
 
 
 def grouped_attention(
@@ -27,17 +34,39 @@ def grouped_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    kv_groups: list[tuple[torch.Tensor, int]] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [b, h, q, d], key/value [b, kvh, k, d], mask additive or bool, broadcastable to [b, h, q, k] (None:
-    causal, aligned to the last key). Returns ([b, q, h, d], None) as Hugging Face attention functions do."""
+    causal, aligned to the last key). Returns ([b, q, h, d], None) as Hugging Face attention functions do.
+
+    kv_groups (`plan_kv_groups`): rows that attend apart, each group over only its own first slots, so short rows
+    beside a long one stop reading (and copying) the long row's slots; their masks hide those slots anyway."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kv_groups is None or attention_mask is None:
+        return _attend(query, key, value, attention_mask, scale), None
+    b, h, q, d = query.shape
+    out = query.new_empty(b, q, h, d)
+    for rows, length in kv_groups:
+        mask = attention_mask if attention_mask.shape[0] == 1 else attention_mask.index_select(0, rows)
+        # index_select, not key[rows]: it copies a strided view ~7x faster than advanced indexing here
+        out[rows] = _attend(query.index_select(0, rows), key[:, :, :length].index_select(0, rows),
+                            value[:, :, :length].index_select(0, rows), mask[..., :length], scale)
+    return out, None
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
     b, h, q, d = query.shape
     kvh, k = key.shape[1], key.shape[2]
     g = h // kvh
     acc = torch.promote_types(query.dtype, torch.float32)
-    scale = scaling if scaling is not None else d ** -0.5
-    scores = torch.matmul(query.reshape(b, kvh, g * q, d), key.transpose(-1, -2))
-    scores = scores.view(b, kvh, g, q, k).to(acc) * scale
+    stacked = query.reshape(b, kvh, g * q, d)
+    if g * q <= KEY_LEFT_MAX:  # keys as the left operand: a cheaper matmul over the cache's strided view
+        scores = torch.matmul(key, stacked.transpose(-1, -2)).transpose(-1, -2)
+    else:
+        scores = torch.matmul(stacked, key.transpose(-1, -2))
+    scores = scores.reshape(b, kvh, g, q, k).to(acc) * scale
     if attention_mask is None:
         if q > 1:
             allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
@@ -51,7 +80,32 @@ def grouped_attention(
             scores = scores + mask.to(acc)
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kvh, g * q, k)
     out = torch.matmul(probs, value).view(b, h, q, d)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
+
+
+def plan_kv_groups(lengths: list[int], overhead: int | None = None) -> list[list[int]] | None:
+    """Rows (indices into `lengths`, each row's visible slots) split into groups that attend apart, by a cost of
+    `overhead` + rows x longest length per group, minimised over splits of the rows sorted by length (exact, n^2);
+    None when one group is cheapest. Every slot a row's attention reads is copied once before its matmul (torch's
+    batched matmul copies strided views), so padding short rows to a long one costs what their extra slots cost."""
+    overhead = GROUP_OVERHEAD_SLOTS if overhead is None else overhead
+    n = len(lengths)
+    if n < 2:
+        return None
+    order = sorted(range(n), key=lambda i: lengths[i])
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + overhead + (j - i) * longest
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return None if len(groups) == 1 else groups[::-1]
 
 
 def register() -> None:

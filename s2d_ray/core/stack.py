@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, ModelLoadError
-from .attention import use_grouped
+from .attention import plan_kv_groups, use_grouped
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
 
 logger = logging.getLogger(__name__)
@@ -168,22 +168,27 @@ class LayerStack(nn.Module):
             out = self.graphs.run(seg, x, rows, positions, cache, rope_positions, allowed)
             if out is not None:
                 return out
-        kv_len = int(positions.max()) + 1
+        lengths = (positions[:, -1] + 1).tolist()  # a row's grid ends at its last (or last dummy) slot
+        kv_len = max(lengths)
         cache.select(rows, positions, kv_len)
         mask = slot_mask(positions, kv_len, x.dtype) if allowed is None else additive_mask(allowed, x.dtype)
-        return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache)
+        groups = None
+        if self.grouped and (plan := plan_kv_groups(lengths)) is not None:
+            groups = [(torch.tensor(g, device=x.device), max(lengths[i] for i in g)) for g in plan]
+        return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache, groups)
 
     def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor,
-                   cache: SlotKVCache) -> torch.Tensor:
+                   cache: SlotKVCache, kv_groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
         """One segment's layers over x with an additive mask [n, 1, s, kv_len] and RoPE positions, the cache already
-        pointed at its rows and slots (eager calls and the graphs a SegmentGraphs captures share this)."""
+        pointed at its rows and slots (eager calls and the graphs a SegmentGraphs captures share this); kv_groups:
+        rows attending apart over their own slots (grouped attention only, `plan_kv_groups`)."""
         lo, hi = self.segments[seg]
         if not self.grouped:  # grouped attention broadcasts one mask over the heads
             mask = head_mask(mask, self.parts.num_heads)
         cos_sin = self.parts.rotary(x, position_ids=rope)
+        extra = {self.cache_kwarg: cache} if kv_groups is None else {self.cache_kwarg: cache, "kv_groups": kv_groups}
         for layer in self.layers[lo:hi]:
-            out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin,
-                        **{self.cache_kwarg: cache})
+            out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin, **extra)
             x = out[0] if isinstance(out, tuple) else out
         return x
 

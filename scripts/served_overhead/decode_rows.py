@@ -39,8 +39,8 @@ for name, sel in [("1 short", short[:1]), ("1 long", [max(mixed, key=lambda i: l
 for i in mixed:
     eng.add_request(GenerationRequest(f"p{i}", ids[i], 200))
 eng.step(), eng.step()
-with profile(activities=[ProfilerActivity.CPU]) as prof:
+with profile(activities=[ProfilerActivity.CPU], record_shapes=bool(os.environ.get("SHAPES"))) as prof:
     for _ in range(5):
         eng.step()
 print("5 rounds of 8 mixed rows:")
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+print(prof.key_averages(group_by_input_shape=bool(os.environ.get("SHAPES"))).table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", 8))))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s2d_ray.core.attention import grouped_attention
+import itertools
+
+from s2d_ray.core.attention import grouped_attention, plan_kv_groups
 
 
 def sdpa(query, key, value, mask, scaling):
@@ -67,3 +69,49 @@ def test_engine_layers_use_grouped_and_transformers_baselines_get_stock_sdpa():
     hook.remove()
     assert seen and set(seen) == {"sdpa"}  # what a transformers user runs
     assert model.config._attn_implementation == GROUPED  # restored for the engine
+
+
+def test_kv_groups_attend_each_row_over_its_own_slots_and_equal_one_group():
+    """Rows of 3, 11, 4, 20 visible slots (their masks say so) in groups over only their own longest: the output
+    equals one group over all 20; a group cut short of a row's visible slots differs (the check can fail)."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, kvh, q, d, k = 4, 6, 2, 2, 8, 20
+    lengths = [3, 11, 4, 20]
+    query = torch.randn(b, h, q, d, generator=gen, dtype=torch.float64)
+    key = torch.randn(b, kvh, k, d, generator=gen, dtype=torch.float64)
+    value = torch.randn(b, kvh, k, d, generator=gen, dtype=torch.float64)
+    allowed = torch.arange(k)[None, None, None, :] < torch.tensor(lengths)[:, None, None, None]
+    allowed = allowed & (torch.rand(b, 1, q, k, generator=gen) < 0.8)
+    allowed[..., 0] = True
+    mask = torch.zeros(b, 1, q, k, dtype=torch.float64).masked_fill(~allowed, -1e300)
+    want, _ = grouped_attention(None, query, key, value, mask)
+    plan = plan_kv_groups(lengths, overhead=0)
+    assert sorted(i for g in plan for i in g) == [0, 1, 2, 3] and len(plan) > 1
+    groups = [(torch.tensor(g), max(lengths[i] for i in g)) for g in plan]
+    got, _ = grouped_attention(None, query, key, value, mask, kv_groups=groups)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    short = [(torch.tensor(g), max(lengths[i] for i in g) - (3 in g)) for g in plan]  # the 20-slot row sees 19
+    bad, _ = grouped_attention(None, query, key, value, mask, kv_groups=short)
+    assert not torch.allclose(bad, want)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_kv_group_plan_is_the_cheapest_split(seed):
+    """The planner's groups cost no more than any split of the length-sorted rows (brute force), and cover every
+    row once; equal lengths or a high overhead keep one group (None)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 7, (1,), generator=gen))
+    lengths = torch.randint(1, 900, (n,), generator=gen).tolist()
+    overhead = int(torch.randint(0, 1500, (1,), generator=gen))
+
+    def cost(groups):
+        return sum(overhead + len(g) * max(lengths[i] for i in g) for g in groups)
+
+    order = sorted(range(n), key=lambda i: lengths[i])
+    best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, n))])
+               for r in range(n) for cuts in itertools.combinations(range(1, n), r))
+    plan = plan_kv_groups(lengths, overhead)
+    assert cost(plan or [order]) == best
+    if plan is not None:
+        assert sorted(i for g in plan for i in g) == list(range(n))
+    assert plan_kv_groups([7] * n, 0) is None and plan_kv_groups(lengths, 10**9) is None

@@ -17,6 +17,7 @@ from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.lookup import PromptLookup, TreeDrafter
 from s2d_ray.core.policy import FixedK, HeuristicK
 from s2d_ray.core.sampling import logits_to_probs
+import s2d_ray.core.attention as attention_mod
 import s2d_ray.core.stack as stack_mod
 from s2d_ray.core.stack import decoder_parts
 from s2d_ray.core.target import TargetVerifier
@@ -28,7 +29,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 # "cpu-sdpa": the CPU running the CUDA code path (SDPA with per-head mask views instead of grouped matmuls), so CPU
 # CI covers it: that path once passed the KV cache under a name transformers 5.17 ignores, and only a GPU showed it.
-ENGINE_DEVICES = ["cpu", "cpu-sdpa", *DEVICES[1:]]
+# "cpu-groups": grouped attention with every row length its own attention group (plan_kv_groups at zero overhead),
+# where the planner's real overhead never splits these short contexts.
+ENGINE_DEVICES = ["cpu", "cpu-sdpa", "cpu-groups", *DEVICES[1:]]
 
 
 @pytest.fixture(scope="module", params=ENGINE_DEVICES)
@@ -36,9 +39,11 @@ def pair(request):
     """A tiny float64 target and a noisy sorted draft of it, both on the device (built on CPU, then moved)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stack_mod, "SDPA_ON_CPU", request.param == "cpu-sdpa")
+        mp.setattr(attention_mod, "GROUP_OVERHEAD_SLOTS", 0 if request.param == "cpu-groups" else
+                   attention_mod.GROUP_OVERHEAD_SLOTS)
         target = tiny_target(seed=0)
         cpu_draft = noisy_draft(target)
-        device = torch.device(request.param.removesuffix("-sdpa"))
+        device = torch.device(request.param.split("-")[0])
         target.to(device)
         layers = cpu_draft.layers.to(device)
         yield target, SortedDraft(decoder_parts(target), cpu_draft.spec, layers), device
