@@ -115,3 +115,24 @@ def test_kv_group_plan_is_the_cheapest_split(seed):
     if plan is not None:
         assert sorted(i for g in plan for i in g) == list(range(n))
     assert plan_kv_groups([7] * n, 0) is None and plan_kv_groups(lengths, 10**9) is None
+
+
+def test_prompt_passes_in_query_blocks_equal_one_block(monkeypatch):
+    """A causal pass of 11 queries over 30 slots in blocks of 4, each block over keys up to its last allowed one,
+    equals one block (float64), bool and additive masks; a block that dropped an allowed key would differ."""
+    import s2d_ray.core.attention as attention
+
+    gen = torch.Generator().manual_seed(9)
+    b, h, kvh, q, d, k = 2, 6, 2, 11, 8, 30
+    query = torch.randn(b, h, q, d, generator=gen, dtype=torch.float64)
+    key = torch.randn(b, kvh, k, d, generator=gen, dtype=torch.float64)
+    value = torch.randn(b, kvh, k, d, generator=gen, dtype=torch.float64)
+    allowed = torch.ones(q, k, dtype=torch.bool).tril(k - q - 5)[None, None].expand(b, 1, q, k).clone()
+    masks = [allowed, torch.zeros(b, 1, q, k, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)]
+    for mask in masks:
+        want, _ = grouped_attention(None, query, key, value, mask)
+        monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
+        got, _ = grouped_attention(None, query, key, value, mask)
+        monkeypatch.setattr(attention, "QUERY_BLOCK", 128)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(got, grouped_attention(None, query, key[:, :, :-6], value[:, :, :-6], mask)[0])

@@ -29,8 +29,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 # "cpu-sdpa": the CPU running the CUDA code path (SDPA with per-head mask views instead of grouped matmuls), so CPU
 # CI covers it: that path once passed the KV cache under a name transformers 5.17 ignores, and only a GPU showed it.
-# "cpu-groups": grouped attention with every row length its own attention group (plan_kv_groups at zero overhead),
-# where the planner's real overhead never splits these short contexts.
+# "cpu-groups": grouped attention with every row length its own attention group (plan_kv_groups at zero overhead) and
+# prompt passes in blocks of 4 queries, where the real settings never split these short contexts.
 ENGINE_DEVICES = ["cpu", "cpu-sdpa", "cpu-groups", *DEVICES[1:]]
 
 
@@ -39,8 +39,9 @@ def pair(request):
     """A tiny float64 target and a noisy sorted draft of it, both on the device (built on CPU, then moved)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stack_mod, "SDPA_ON_CPU", request.param == "cpu-sdpa")
-        mp.setattr(attention_mod, "GROUP_OVERHEAD_SLOTS", 0 if request.param == "cpu-groups" else
-                   attention_mod.GROUP_OVERHEAD_SLOTS)
+        if request.param == "cpu-groups":  # and prompt passes in blocks of 4 queries
+            mp.setattr(attention_mod, "GROUP_OVERHEAD_SLOTS", 0)
+            mp.setattr(attention_mod, "QUERY_BLOCK", 4)
         target = tiny_target(seed=0)
         cpu_draft = noisy_draft(target)
         device = torch.device(request.param.split("-")[0])
