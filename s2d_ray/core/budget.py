@@ -110,10 +110,15 @@ class SpeculationBudget:
     - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
-      (n = 0 is a plain decoding step).
+      (n = 0 is a plain decoding step);
+    - once this engine has timed enough decode rounds of both kinds at about this batch size, drafting or not is
+      decided by the measured seconds per token of each (the exploration round tries the other kind): the model
+      above prices a first depth against one plain step, and misses what only the whole round shows (a served
+      round's draft call overhead, several plain steps per target call, lookup candidates, deeper accepted paths).
     """
 
     EXPLORE_EVERY = 16
+    MEASURED_AFTER = 3  # decode rounds of each kind at a batch size before their measured rates decide
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -123,6 +128,8 @@ class SpeculationBudget:
         self._round_s = self._round_tokens = self._depth_s = None
         self._first_hit = [0.5 * 4.0, 4.0]  # [accepted, rounds] of depth-1 draft nodes, prior 0.5
         self.scale = 1.0  # measured verify seconds over the grid's, EMA over decode rounds
+        # (batch bucket, drafted) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
+        self._kinds: dict[tuple[int, bool], list[float]] = {}
 
     @property
     def load_aware(self) -> bool:
@@ -134,10 +141,14 @@ class SpeculationBudget:
         return new if old is None else (1 - alpha) * old + alpha * new
 
     def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
-                      verify: tuple[float, int, int] | None = None) -> None:
+                      verify: tuple[float, int, int] | None = None, batch: int | None = None) -> None:
         """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
-        `verify` = (seconds, batch, positions) of its verification when it was a pure decode round (no prompt)."""
+        `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
+        `batch` = its rows when no row filled a prompt (plain multi-step rounds included), else None."""
         self.rounds += 1
+        if batch and tokens > 0:
+            kind = self._kinds.setdefault((_bucket(batch), depth > 0), [seconds, float(tokens), 0.0])
+            kind[0], kind[1], kind[2] = self._ema(kind[0], seconds), self._ema(kind[1], float(tokens)), kind[2] + 1
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
         if depth > 0 and verify is not None:  # a prompt round's draft time is mostly the draft filling the prompt
@@ -186,9 +197,25 @@ class SpeculationBudget:
         v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
         if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        if (1 + hit) * v1 <= v2 + 1000.0 * self.depth_seconds(batch) and self.rounds % self.EXPLORE_EVERY != 0:
-            return RoundPlan(0)
-        return RoundPlan(self.max_depth, self.acceptance.score_for(needed))
+        draft = self.measured_draft(batch)
+        if draft is None:
+            draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
+        if self.rounds % self.EXPLORE_EVERY == 0 and (self.rounds or not draft):  # now and then the other kind:
+            draft = not draft  # acceptance and load change (a first round that would draft does)
+        return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
+
+    def measured_draft(self, batch: int) -> bool | None:
+        """Whether drafting rounds emitted tokens faster than plain ones at about this batch size, as measured;
+        None until both kinds have `MEASURED_AFTER` decode rounds there."""
+        drafted, plain = self._kinds.get((_bucket(batch), True)), self._kinds.get((_bucket(batch), False))
+        if drafted is None or plain is None or min(drafted[2], plain[2]) < self.MEASURED_AFTER:
+            return None
+        return drafted[0] / drafted[1] < plain[0] / plain[1]
+
+    def measured(self) -> dict[str, dict[str, float]]:
+        """Measured ms per token of drafting and plain decode rounds by batch size bucket (for stats)."""
+        return {f"{b}/{'draft' if d else 'plain'}": {"ms_per_token": 1000.0 * v[0] / v[1], "rounds": v[2]}
+                for (b, d), v in sorted(self._kinds.items())}
 
     def node_cap(self, estimates: list[list[float]]) -> int:
         """Nodes per row (the same for every row: a batch is as wide as its widest row) that maximise modelled
@@ -207,3 +234,8 @@ class SpeculationBudget:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes that share measured round rates: 1-4 each, then powers of two (5-8, 9-16, ...)."""
+    return batch if batch <= 4 else 1 << (batch - 1).bit_length()

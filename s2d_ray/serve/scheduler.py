@@ -291,6 +291,9 @@ class TargetScheduler:
             times = getattr(client, "times", None)
             if isinstance(times, CallTimes):
                 out[role] = times.summary()
+        budget = self.engine.budget
+        if budget is not None and budget.load_aware:  # what the draft/plain choice is measured on
+            out["speculation"] = {"scale": budget.scale, "rounds": budget.rounds, "measured": budget.measured()}
         return out
 
     @property

@@ -315,3 +315,47 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
         budget.observe_round(0.024, 1, 0.004, 1, verify=(0.020, 1, 1))
     budget.rounds = 1
     assert budget.scale == pytest.approx(2.0, rel=1e-3) and budget.plan(1, 0).depth > 0
+
+
+def test_budget_decides_by_measured_round_rates_once_both_kinds_are_timed():
+    """The model says a first depth pays (grid: 1.5 x 10 > 10.5 + 1 ms of draft). Once both kinds of decode round are
+    timed at a batch size, the measured seconds per token decide: drafting rounds at 40 ms for 1 token lose to plain
+    rounds at 30 ms for 4 tokens (several plain steps per call), so plain wins there; another batch size is still
+    modelled; the exploration round tries the other kind; rounds without a batch (prompt rounds) teach nothing."""
+    costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}, 8: {1: 12.0, 2: 12.5, 4: 13.0, 8: 14.0}},
+                      [1.0, 1.0, 1.0])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget.rounds = 1
+    assert budget.plan(1, 0).depth > 0 and budget.measured_draft(1) is None
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.040, 1, 0.004, 2, batch=1)
+        budget.observe_round(9.0, 1, 0.0, 0, batch=None)  # a prompt round
+        budget.observe_round(0.030, 4, 0.0, 0, batch=1)
+    assert budget.measured_draft(1) is False
+    budget.rounds = 1
+    assert budget.plan(1, 0).depth == 0
+    assert budget.plan(8, 0).depth > 0  # nothing measured at 5-8 rows: the model decides
+    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    assert budget.plan(1, 0).depth > 0  # exploration
+    for _ in range(20):  # drafting gets better than plain (deeper accepted paths)
+        budget.observe_round(0.040, 8, 0.004, 2, batch=1)
+    budget.rounds = 1
+    assert budget.measured_draft(1) is True and budget.plan(1, 0).depth > 0
+    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    assert budget.plan(1, 0).depth == 0  # exploration of plain keeps its rate current
+    assert set(budget.measured()) == {"1/draft", "1/plain"} and budget.measured()["1/plain"]["ms_per_token"] == \
+        pytest.approx(7.5)
+
+
+def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
+    """The round that fills a prompt is neither a decode round for the cost scale nor a timed round for the
+    draft/plain choice; later rounds are (the check runs before commit gives the prompt row its first token)."""
+    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [1.0, 1.5, 2.0])
+    engine = tree_engine(target, 2, True, costs)
+    seen = []
+    observe = engine.budget.observe_round
+    engine.budget.observe_round = lambda *a, **k: (seen.append((a[4] if len(a) > 4 else k.get("verify"),
+                                                                k.get("batch"))), observe(*a, **k))[1]
+    run(engine, random_prompts(1, seed=2), 6, batch=True)
+    assert seen[0] == (None, None)
+    assert all(batch == 1 for _, batch in seen[1:]) and len(seen) > 1
