@@ -111,14 +111,16 @@ class SpeculationBudget:
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
       (n = 0 is a plain decoding step);
-    - once this engine has timed enough decode rounds of both kinds at about this batch size, drafting or not is
-      decided by the measured seconds per token of each (the exploration round tries the other kind): the model
-      above prices a first depth against one plain step, and misses what only the whole round shows (a served
-      round's draft call overhead, several plain steps per target call, lookup candidates, deeper accepted paths).
+    - once this engine has timed enough decode rounds of each kind at about this batch size, the measured seconds
+      per token decide instead: draft rounds against the best of the others, then (not drafting) lookup-only tree
+      rounds against plain ones, each kind tried now and then (exploration). The model prices a first depth
+      against one plain step and nodes against one plain step; it misses what only the whole round shows (a served
+      round's call overheads, several plain steps per target call, deeper accepted paths).
     """
 
     EXPLORE_EVERY = 16
     MEASURED_AFTER = 3  # decode rounds of each kind at a batch size before their measured rates decide
+    KINDS = ("draft", "tree", "plain")  # a round drafted; verified lookup nodes only; verified no nodes
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -128,8 +130,9 @@ class SpeculationBudget:
         self._round_s = self._round_tokens = self._depth_s = None
         self._first_hit = [0.5 * 4.0, 4.0]  # [accepted, rounds] of depth-1 draft nodes, prior 0.5
         self.scale = 1.0  # measured verify seconds over the grid's, EMA over decode rounds
-        # (batch bucket, drafted) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
-        self._kinds: dict[tuple[int, bool], list[float]] = {}
+        # (batch bucket, kind) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
+        self._kinds: dict[tuple[int, str], list[float]] = {}
+        self._drafting = False  # this round's plan drafts
 
     @property
     def load_aware(self) -> bool:
@@ -141,13 +144,16 @@ class SpeculationBudget:
         return new if old is None else (1 - alpha) * old + alpha * new
 
     def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
-                      verify: tuple[float, int, int] | None = None, batch: int | None = None) -> None:
+                      verify: tuple[float, int, int] | None = None, batch: int | None = None,
+                      nodes: int = 0) -> None:
         """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
         `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
-        `batch` = its rows when no row filled a prompt (plain multi-step rounds included), else None."""
+        `batch` = its rows when no row filled a prompt (plain multi-step rounds included), else None; `nodes`: the
+        most tree nodes a row verified."""
         self.rounds += 1
         if batch and tokens > 0:
-            kind = self._kinds.setdefault((_bucket(batch), depth > 0), [seconds, float(tokens), 0.0])
+            name = "draft" if depth > 0 else "tree" if nodes > 0 else "plain"
+            kind = self._kinds.setdefault((_bucket(batch), name), [seconds, float(tokens), 0.0])
             kind[0], kind[1], kind[2] = self._ema(kind[0], seconds), self._ema(kind[1], float(tokens)), kind[2] + 1
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
@@ -194,28 +200,33 @@ class SpeculationBudget:
         hit = self._first_hit[0] / self._first_hit[1]
         # Drafting pays only if a row's first node, at its hit rate, buys more tokens than its verification width and
         # the draft forward cost the whole batch (re-checked now and then: acceptance and load change).
+        self._drafting = False
         v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
         if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        draft = self.measured_draft(batch)
+        draft = self.measured_better(batch, ("draft",), ("tree", "plain"))
         if draft is None:
             draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
         if self.rounds % self.EXPLORE_EVERY == 0 and (self.rounds or not draft):  # now and then the other kind:
             draft = not draft  # acceptance and load change (a first round that would draft does)
+        self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
 
-    def measured_draft(self, batch: int) -> bool | None:
-        """Whether drafting rounds emitted tokens faster than plain ones at about this batch size, as measured;
-        None until both kinds have `MEASURED_AFTER` decode rounds there."""
-        drafted, plain = self._kinds.get((_bucket(batch), True)), self._kinds.get((_bucket(batch), False))
-        if drafted is None or plain is None or min(drafted[2], plain[2]) < self.MEASURED_AFTER:
-            return None
-        return drafted[0] / drafted[1] < plain[0] / plain[1]
+    def measured_better(self, batch: int, kinds: tuple[str, ...], others: tuple[str, ...]) -> bool | None:
+        """Whether the best measured of `kinds` emitted tokens faster than the best measured of `others` at about
+        this batch size; None until each side has a kind with `MEASURED_AFTER` decode rounds there."""
+        def best(names: tuple[str, ...]) -> float | None:
+            rates = [v[0] / v[1] for n in names if (v := self._kinds.get((_bucket(batch), n)))
+                     and v[2] >= self.MEASURED_AFTER]
+            return min(rates) if rates else None
+
+        mine, theirs = best(kinds), best(others)
+        return None if mine is None or theirs is None else mine < theirs
 
     def measured(self) -> dict[str, dict[str, float]]:
-        """Measured ms per token of drafting and plain decode rounds by batch size bucket (for stats)."""
-        return {f"{b}/{'draft' if d else 'plain'}": {"ms_per_token": 1000.0 * v[0] / v[1], "rounds": v[2]}
-                for (b, d), v in sorted(self._kinds.items())}
+        """Measured ms per token of each kind of decode round by batch size bucket (for stats)."""
+        return {f"{b}/{name}": {"ms_per_token": 1000.0 * v[0] / v[1], "rounds": v[2]}
+                for (b, name), v in sorted(self._kinds.items())}
 
     def node_cap(self, estimates: list[list[float]]) -> int:
         """Nodes per row (the same for every row: a batch is as wide as its widest row) that maximise modelled
@@ -224,6 +235,12 @@ class SpeculationBudget:
         if self.costs is None:
             return cap
         batch = max(len(estimates), 1)
+        if not self._drafting:  # lookup-only trees or plain rounds: measured, once both are (explored half-way)
+            trees = self.measured_better(batch, ("tree",), ("plain",))
+            if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:
+                trees = not trees
+            if trees is False:
+                return 0
         ranked = [sorted(e, reverse=True) for e in estimates]
         widest = max((len(r) for r in ranked), default=0)
         best_n, best_rate = 0, batch / self.verify_ms(batch, 1)

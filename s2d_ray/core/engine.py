@@ -314,7 +314,8 @@ class SpecEngine:
         t2 = time.perf_counter()
         verify, decode = self._decode_verify(live, requests, t2 - t1), all(seq.generated for seq in live)  # before
         outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))  # commit gives prompt rows their token
-        return self._observed(outputs, drafted, t0, t1, verify, decode, len(live))
+        nodes = max((len(p.tokens) for p in proposals), default=0)
+        return self._observed(outputs, drafted, t0, t1, verify, decode, len(live), nodes)
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -330,17 +331,18 @@ class SpecEngine:
         t2 = time.perf_counter()
         verify, decode = self._decode_verify(live, requests, t2 - t1), all(seq.generated for seq in live)  # before
         outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))  # commit gives prompt rows their token
-        return self._observed(outputs, drafted, t0, t1, verify, decode, len(live))
+        nodes = max((len(p.tokens) for p in proposals), default=0)
+        return self._observed(outputs, drafted, t0, t1, verify, decode, len(live), nodes)
 
     def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float,
-                  verify: tuple[float, int, int] | None, decode: bool, rows: int) -> list[StepOutput]:
+                  verify: tuple[float, int, int] | None, decode: bool, rows: int, nodes: int) -> list[StepOutput]:
         """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
         node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
             trees = [_as_tree(p) for p in proposals]  # drafted nodes have q > 0 (lookup-only nodes score 0)
             depth = max((max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees), default=0)
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
-                                      depth, verify, batch=rows if decode else None)
+                                      depth, verify, batch=rows if decode else None, nodes=nodes)
         return outputs
 
     @staticmethod

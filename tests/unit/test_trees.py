@@ -318,33 +318,40 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
 
 
 def test_budget_decides_by_measured_round_rates_once_both_kinds_are_timed():
-    """The model says a first depth pays (grid: 1.5 x 10 > 10.5 + 1 ms of draft). Once both kinds of decode round are
-    timed at a batch size, the measured seconds per token decide: drafting rounds at 40 ms for 1 token lose to plain
-    rounds at 30 ms for 4 tokens (several plain steps per call), so plain wins there; another batch size is still
-    modelled; the exploration round tries the other kind; rounds without a batch (prompt rounds) teach nothing."""
+    """The model says a first depth pays (grid: 1.5 x 10 > 10.5 + 1 ms of draft) and nodes pay. Once the kinds of
+    decode round are timed at a batch size, the measured seconds per token decide: drafting rounds at 40 ms for 1 token
+    lose to plain rounds at 30 ms for 4 tokens (several plain steps per call), so no drafting there; lookup-only tree
+    rounds at 30 ms for 2 tokens lose to those plain rounds too, so no nodes either; another batch size is still
+    modelled; exploration rounds try the other kind; rounds without a batch (prompt rounds) teach nothing."""
     costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}, 8: {1: 12.0, 2: 12.5, 4: 13.0, 8: 14.0}},
                       [1.0, 1.0, 1.0])
-    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=8), costs, max_depth=4)
     budget.rounds = 1
-    assert budget.plan(1, 0).depth > 0 and budget.measured_draft(1) is None
+    assert budget.plan(1, 0).depth > 0 and budget.measured_better(1, ("draft",), ("tree", "plain")) is None
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.040, 1, 0.004, 2, batch=1)
+        budget.observe_round(0.040, 1, 0.004, 2, batch=1, nodes=3)
         budget.observe_round(9.0, 1, 0.0, 0, batch=None)  # a prompt round
         budget.observe_round(0.030, 4, 0.0, 0, batch=1)
-    assert budget.measured_draft(1) is False
     budget.rounds = 1
     assert budget.plan(1, 0).depth == 0
+    assert budget.node_cap([[0.9, 0.5]]) > 0  # lookup-only trees not timed yet: the model keeps nodes
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.030, 2, 0.0, 0, batch=1, nodes=2)
+    assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) == 0
+    budget.rounds = SpeculationBudget.EXPLORE_EVERY // 2
+    assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) > 0  # exploration of trees
     assert budget.plan(8, 0).depth > 0  # nothing measured at 5-8 rows: the model decides
     budget.rounds = SpeculationBudget.EXPLORE_EVERY
-    assert budget.plan(1, 0).depth > 0  # exploration
+    assert budget.plan(1, 0).depth > 0  # exploration of drafting
+    assert budget.node_cap([[0.9, 0.5]]) > 0  # a drafting round keeps its nodes
     for _ in range(20):  # drafting gets better than plain (deeper accepted paths)
-        budget.observe_round(0.040, 8, 0.004, 2, batch=1)
+        budget.observe_round(0.040, 8, 0.004, 2, batch=1, nodes=6)
     budget.rounds = 1
-    assert budget.measured_draft(1) is True and budget.plan(1, 0).depth > 0
+    assert budget.plan(1, 0).depth > 0
     budget.rounds = SpeculationBudget.EXPLORE_EVERY
-    assert budget.plan(1, 0).depth == 0  # exploration of plain keeps its rate current
-    assert set(budget.measured()) == {"1/draft", "1/plain"} and budget.measured()["1/plain"]["ms_per_token"] == \
-        pytest.approx(7.5)
+    assert budget.plan(1, 0).depth == 0  # exploration of the others keeps their rates current
+    assert set(budget.measured()) == {"1/draft", "1/plain", "1/tree"}
+    assert budget.measured()["1/plain"]["ms_per_token"] == pytest.approx(7.5)
 
 
 def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
