@@ -106,21 +106,23 @@ class SpeculationBudget:
       grid was measured at one context length on a quiet machine; long contexts, other load and a remote verifier's
       call overhead make real rounds dearer, and a budget that trusts the grid keeps drafting where it loses);
     - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
-      verify(B, 2) + draft depth (re-checked every `EXPLORE_EVERY` rounds, so speculation comes back when load drops);
+      verify(B, 2) + draft depth (re-checked now and then, so speculation comes back when load drops);
     - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
       (n = 0 is a plain decoding step);
     - once this engine has timed enough decode rounds of each kind at about this batch size, the measured seconds
-      per token decide instead: draft rounds against the best of the others, then (not drafting) lookup-only tree
-      rounds against plain ones, each kind tried now and then (exploration). The model prices a first depth
-      against one plain step and nodes against one plain step; it misses what only the whole round shows (a served
-      round's call overheads, several plain steps per target call, deeper accepted paths).
+      per token decide instead: drafting rounds against all others together, then (not drafting) lookup-only tree
+      rounds against plain ones, each tried now and then (exploration). The model prices a first depth against one
+      plain step and nodes against one plain step; it misses what only the whole round shows (a served round's call
+      overheads, several plain steps per target call, deeper accepted paths). A drafting round counts only after a
+      drafting round (warm): the first one after a pause also catches the draft's cache up on every token since.
     """
 
-    EXPLORE_EVERY = 16
+    EXPLORE_EVERY = 16  # a lookup-vs-plain exploration round this often
+    DRAFT_EXPLORE_EVERY = 48  # drafting (or not) explored for DRAFT_EXPLORE_SPAN rounds this often
+    DRAFT_EXPLORE_SPAN = 3
     MEASURED_AFTER = 3  # decode rounds of each kind at a batch size before their measured rates decide
-    KINDS = ("draft", "tree", "plain")  # a round drafted; verified lookup nodes only; verified no nodes
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -133,6 +135,7 @@ class SpeculationBudget:
         # (batch bucket, kind) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
         self._kinds: dict[tuple[int, str], list[float]] = {}
         self._drafting = False  # this round's plan drafts
+        self._drafted_last = False  # the last observed round drafted
 
     @property
     def load_aware(self) -> bool:
@@ -151,10 +154,13 @@ class SpeculationBudget:
         `batch` = its rows when no row filled a prompt (plain multi-step rounds included), else None; `nodes`: the
         most tree nodes a row verified."""
         self.rounds += 1
-        if batch and tokens > 0:
-            name = "draft" if depth > 0 else "tree" if nodes > 0 else "plain"
-            kind = self._kinds.setdefault((_bucket(batch), name), [seconds, float(tokens), 0.0])
-            kind[0], kind[1], kind[2] = self._ema(kind[0], seconds), self._ema(kind[1], float(tokens)), kind[2] + 1
+        if batch and tokens > 0 and (depth == 0 or self._drafted_last):
+            names = ("draft",) if depth > 0 else ("tree" if nodes > 0 else "plain", "nodraft")
+            for name in names:
+                kind = self._kinds.setdefault((_bucket(batch), name), [seconds, float(tokens), 0.0])
+                kind[0], kind[1] = self._ema(kind[0], seconds), self._ema(kind[1], float(tokens))
+                kind[2] += 1
+        self._drafted_last = depth > 0
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
         if depth > 0 and verify is not None:  # a prompt round's draft time is mostly the draft filling the prompt
@@ -204,11 +210,11 @@ class SpeculationBudget:
         v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
         if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        draft = self.measured_better(batch, ("draft",), ("tree", "plain"))
+        draft = self.measured_better(batch, ("draft",), ("nodraft",))
         if draft is None:
             draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
-        if self.rounds % self.EXPLORE_EVERY == 0 and (self.rounds or not draft):  # now and then the other kind:
-            draft = not draft  # acceptance and load change (a first round that would draft does)
+        if self.rounds % self.DRAFT_EXPLORE_EVERY < self.DRAFT_EXPLORE_SPAN and (self.rounds or not draft):
+            draft = not draft  # now and then the other: acceptance and load change (a first round that drafts does)
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
 
@@ -224,7 +230,8 @@ class SpeculationBudget:
         return None if mine is None or theirs is None else mine < theirs
 
     def measured(self) -> dict[str, dict[str, float]]:
-        """Measured ms per token of each kind of decode round by batch size bucket (for stats)."""
+        """Measured ms per token of each kind of decode round by batch size bucket (for stats; `nodraft`: tree and
+        plain rounds together, what drafting is measured against)."""
         return {f"{b}/{name}": {"ms_per_token": 1000.0 * v[0] / v[1], "rounds": v[2]}
                 for (b, name), v in sorted(self._kinds.items())}
 
@@ -237,7 +244,7 @@ class SpeculationBudget:
         batch = max(len(estimates), 1)
         if not self._drafting:  # lookup-only trees or plain rounds: measured, once both are (explored half-way)
             trees = self.measured_better(batch, ("tree",), ("plain",))
-            if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:
+            if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY - 1:
                 trees = not trees
             if trees is False:
                 return 0

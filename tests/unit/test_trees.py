@@ -185,9 +185,13 @@ def test_auto_policy_stops_deepening_at_low_confidence(target):
     engine = tree_engine(target, 2, True, costs)
     prompts = random_prompts(4, seed=17) + repetitive_prompts(2, seed=17)
     ar = run(SpecEngine(TargetVerifier(target)), prompts, 30, batch=True)
+    plans = []
+    plan = engine.budget.plan
+    engine.budget.plan = lambda *a: plans.append(plan(*a)) or plans[-1]
     out = run(engine, prompts, 30, batch=True)
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
-    assert engine.budget.rounds > 0 and engine.budget.plan(1, 0).min_score > 0
+    drafting = [p for p in plans if p.depth > 0]
+    assert drafting and all(p.min_score > 0 for p in drafting)
     from s2d_ray.core.types import DraftRequest
 
     draft = SortedDrafter(noisy_draft(target))
@@ -301,19 +305,19 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
     rounds at twice the grid's cost make it pay again. Prompt rounds (verify None) teach nothing."""
     costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}}, [1.0, 2.0, 4.0])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
-    budget.rounds = 1  # not an exploration round
+    budget.rounds = 5  # not an exploration round
     assert budget.plan(1, 0).depth > 0
     for _ in range(40):
         budget.observe_round(0.0065, 1, 0.004, 1, verify=(0.005, 1, 1))
     assert budget.scale == pytest.approx(0.5, rel=1e-3) and budget.depth_seconds(1) == pytest.approx(0.004)
-    budget.rounds = 1
+    budget.rounds = 5
     assert budget.plan(1, 0).depth == 0
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    budget.rounds = SpeculationBudget.DRAFT_EXPLORE_EVERY
     assert budget.plan(1, 0).depth > 0  # exploration keeps acceptance measured
     for _ in range(40):
         budget.observe_round(0.5, 1, 9.0, 1, verify=None)  # a prompt round: neither scale nor draft cost move
         budget.observe_round(0.024, 1, 0.004, 1, verify=(0.020, 1, 1))
-    budget.rounds = 1
+    budget.rounds = 5
     assert budget.scale == pytest.approx(2.0, rel=1e-3) and budget.plan(1, 0).depth > 0
 
 
@@ -322,35 +326,39 @@ def test_budget_decides_by_measured_round_rates_once_both_kinds_are_timed():
     decode round are timed at a batch size, the measured seconds per token decide: drafting rounds at 40 ms for 1 token
     lose to plain rounds at 30 ms for 4 tokens (several plain steps per call), so no drafting there; lookup-only tree
     rounds at 30 ms for 2 tokens lose to those plain rounds too, so no nodes either; another batch size is still
-    modelled; exploration rounds try the other kind; rounds without a batch (prompt rounds) teach nothing."""
+    modelled; exploration rounds try the other kind; prompt rounds (no batch) teach nothing, nor does a drafting
+    round after a round that did not draft (its draft caught up on the tokens since)."""
     costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}, 8: {1: 12.0, 2: 12.5, 4: 13.0, 8: 14.0}},
                       [1.0, 1.0, 1.0])
     budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=8), costs, max_depth=4)
-    budget.rounds = 1
-    assert budget.plan(1, 0).depth > 0 and budget.measured_better(1, ("draft",), ("tree", "plain")) is None
+    budget.rounds = 5
+    assert budget.plan(1, 0).depth > 0 and budget.measured_better(1, ("draft",), ("nodraft",)) is None
     for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.030, 4, 0.0, 0, batch=1)
+        budget.observe_round(9.0, 1, 9.0, 2, batch=1, nodes=3)  # cold: after a plain round
         budget.observe_round(0.040, 1, 0.004, 2, batch=1, nodes=3)
         budget.observe_round(9.0, 1, 0.0, 0, batch=None)  # a prompt round
-        budget.observe_round(0.030, 4, 0.0, 0, batch=1)
-    budget.rounds = 1
+    assert budget.measured()["1/draft"]["ms_per_token"] == pytest.approx(40.0)
+    budget.rounds = 5
     assert budget.plan(1, 0).depth == 0
     assert budget.node_cap([[0.9, 0.5]]) > 0  # lookup-only trees not timed yet: the model keeps nodes
     for _ in range(SpeculationBudget.MEASURED_AFTER):
         budget.observe_round(0.030, 2, 0.0, 0, batch=1, nodes=2)
+    budget.rounds = 5
     assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) == 0
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY // 2
+    budget.rounds = SpeculationBudget.EXPLORE_EVERY - 1
     assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) > 0  # exploration of trees
     assert budget.plan(8, 0).depth > 0  # nothing measured at 5-8 rows: the model decides
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
-    assert budget.plan(1, 0).depth > 0  # exploration of drafting
+    budget.rounds = SpeculationBudget.DRAFT_EXPLORE_EVERY + 1
+    assert budget.plan(1, 0).depth > 0  # exploration of drafting, for several rounds in a row
     assert budget.node_cap([[0.9, 0.5]]) > 0  # a drafting round keeps its nodes
-    for _ in range(20):  # drafting gets better than plain (deeper accepted paths)
-        budget.observe_round(0.040, 8, 0.004, 2, batch=1, nodes=6)
-    budget.rounds = 1
+    for _ in range(20):  # warm drafting gets better than not drafting (deeper accepted paths)
+        budget.observe_round(0.040, 12, 0.004, 2, batch=1, nodes=6)
+    budget.rounds = 5
     assert budget.plan(1, 0).depth > 0
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
-    assert budget.plan(1, 0).depth == 0  # exploration of the others keeps their rates current
-    assert set(budget.measured()) == {"1/draft", "1/plain", "1/tree"}
+    budget.rounds = SpeculationBudget.DRAFT_EXPLORE_EVERY
+    assert budget.plan(1, 0).depth == 0  # exploration of not drafting keeps its rate current
+    assert set(budget.measured()) == {"1/draft", "1/plain", "1/tree", "1/nodraft"}
     assert budget.measured()["1/plain"]["ms_per_token"] == pytest.approx(7.5)
 
 
