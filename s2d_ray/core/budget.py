@@ -115,8 +115,9 @@ class SpeculationBudget:
       per token decide instead: drafting rounds against all others together, then (not drafting) lookup-only tree
       rounds against plain ones, each tried now and then (exploration). The model prices a first depth against one
       plain step and nodes against one plain step; it misses what only the whole round shows (a served round's call
-      overheads, several plain steps per target call, deeper accepted paths). A drafting round counts only after a
-      drafting round (warm): the first one after a pause also catches the draft's cache up on every token since.
+      overheads, several plain steps per target call, deeper accepted paths). A drafting round counts only when its
+      drafting rows drafted the round before (the engine says so): the first one after a pause also catches the
+      draft's cache up on every token since, which made drafting look slower than it is.
     """
 
     EXPLORE_EVERY = 16  # a lookup-vs-plain exploration round this often
@@ -135,7 +136,6 @@ class SpeculationBudget:
         # (batch bucket, kind) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
         self._kinds: dict[tuple[int, str], list[float]] = {}
         self._drafting = False  # this round's plan drafts
-        self._drafted_last = False  # the last observed round drafted
 
     @property
     def load_aware(self) -> bool:
@@ -151,16 +151,16 @@ class SpeculationBudget:
                       nodes: int = 0) -> None:
         """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
         `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
-        `batch` = its rows when no row filled a prompt (plain multi-step rounds included), else None; `nodes`: the
-        most tree nodes a row verified."""
+        `batch` = its rows when the round is fit to time a kind of round by (no row filled a prompt, every drafting
+        row also drafted the round before: the first draft after a pause catches up on every token since), else
+        None; `nodes`: the most tree nodes a row verified."""
         self.rounds += 1
-        if batch and tokens > 0 and (depth == 0 or self._drafted_last):
+        if batch and tokens > 0:
             names = ("draft",) if depth > 0 else ("tree" if nodes > 0 else "plain", "nodraft")
             for name in names:
                 kind = self._kinds.setdefault((_bucket(batch), name), [seconds, float(tokens), 0.0])
                 kind[0], kind[1] = self._ema(kind[0], seconds), self._ema(kind[1], float(tokens))
                 kind[2] += 1
-        self._drafted_last = depth > 0
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
         if depth > 0 and verify is not None:  # a prompt round's draft time is mostly the draft filling the prompt

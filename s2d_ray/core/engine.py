@@ -77,6 +77,7 @@ class _Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
+    drafted_at: int = -2  # the engine round this sequence last drafted in
 
     @property
     def tokens(self) -> list[int]:
@@ -109,6 +110,7 @@ class SpecEngine:
         self.max_context = max_context
         self.detokenize = detokenize
         self.seqs: dict[str, _Sequence] = {}
+        self._rounds = 0  # rounds observed (a sequence's drafted_at counts in these)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> None:
@@ -315,7 +317,7 @@ class SpecEngine:
         verify, decode = self._decode_verify(live, requests, t2 - t1), all(seq.generated for seq in live)  # before
         outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))  # commit gives prompt rows their token
         nodes = max((len(p.tokens) for p in proposals), default=0)
-        return self._observed(outputs, drafted, t0, t1, verify, decode, len(live), nodes)
+        return self._observed(outputs, drafted, t0, t1, verify, decode, live, nodes)
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -332,17 +334,25 @@ class SpecEngine:
         verify, decode = self._decode_verify(live, requests, t2 - t1), all(seq.generated for seq in live)  # before
         outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))  # commit gives prompt rows their token
         nodes = max((len(p.tokens) for p in proposals), default=0)
-        return self._observed(outputs, drafted, t0, t1, verify, decode, len(live), nodes)
+        return self._observed(outputs, drafted, t0, t1, verify, decode, live, nodes)
 
     def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float,
-                  verify: tuple[float, int, int] | None, decode: bool, rows: int, nodes: int) -> list[StepOutput]:
+                  verify: tuple[float, int, int] | None, decode: bool, live: list[_Sequence],
+                  nodes: int) -> list[StepOutput]:
         """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
         node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
         if self.budget is not None and self.budget.load_aware:
             trees = [_as_tree(p) for p in proposals]  # drafted nodes have q > 0 (lookup-only nodes score 0)
-            depth = max((max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees), default=0)
+            depths = [max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees]
+            drafted = [seq for seq, d in zip(live, depths) if d > 0]
+            # warm: every drafting row also drafted last round (else the draft caught up on a prompt or a pause)
+            warm = all(seq.drafted_at == self._rounds - 1 for seq in drafted)
+            for seq in drafted:
+                seq.drafted_at = self._rounds
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
-                                      depth, verify, batch=rows if decode else None, nodes=nodes)
+                                      max(depths, default=0), verify, batch=len(live) if decode and warm else None,
+                                      nodes=nodes)
+        self._rounds += 1
         return outputs
 
     @staticmethod
