@@ -163,9 +163,7 @@ class SpeculationBudget:
                 kind[2] += 1
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
-        # a prompt round's draft time is mostly the draft filling the prompt, a cold one's catching up (its rows had
-        # not drafted the round before): either would price a depth far above what drafting every round costs
-        if depth > 0 and verify is not None and batch:
+        if depth > 0 and verify is not None:  # a prompt round's draft time is mostly the draft filling the prompt
             self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
         if verify is not None and self.costs is not None:
             v_s, batch, positions = verify
