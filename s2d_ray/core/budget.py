@@ -242,7 +242,7 @@ class SpeculationBudget:
         if self.costs is None:
             return cap
         batch = max(len(estimates), 1)
-        if not self._drafting:  # lookup-only trees or plain rounds: measured, once both are (explored half-way)
+        if not self._drafting:  # lookup-only trees or plain rounds: measured once both are (one round in 16 explores)
             trees = self.measured_better(batch, ("tree",), ("plain",))
             if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY - 1:
                 trees = not trees
