@@ -366,3 +366,23 @@ def test_the_model_thread_counts_its_cpu_time_apart_from_waiting():
     times = CallTimes()
     times.add(0.030, 0.020, 0.015)
     assert times.summary()["mean_replica_cpu_ms"] == pytest.approx(15.0)
+
+
+def test_timing_reports_the_budgets_measured_rounds(target):
+    """A load-aware engine's scheduler shows the measured seconds per token by kind of round and batch size (what the
+    draft/plain choice runs on) in its timing stats; an engine without costs shows none."""
+    from s2d_ray.core.budget import SpeculationBudget, TreeShape
+    from s2d_ray.core.costs import CostModel
+    from s2d_ray.core.lookup import PromptLookup, TreeDrafter
+
+    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.5, 0.6, 0.7])
+    budget = SpeculationBudget(TreeShape(width=2, lookup=True, max_nodes=8), costs, max_depth=3)
+    drafter = TreeDrafter(SortedDrafter(noisy_draft(target)), PromptLookup(max_ngram=3, num_tokens=4))
+    engine = SpecEngine(TargetVerifier(target), drafter, FixedK(3), budget=budget)
+    engine.generate([GenerationRequest("a", random_prompts(1, seed=4)[0], 24)])
+    stats = TargetScheduler("t", engine, 4, 4, ServeMetrics()).timing()["speculation"]
+    assert stats["rounds"] > 1 and stats["measured"]
+    assert all(k.split("/")[0] == "1" and k.split("/")[1] in ("draft", "tree", "plain", "nodraft")
+               and v["ms_per_token"] > 0 for k, v in stats["measured"].items())
+    plain = SpecEngine(TargetVerifier(target))
+    assert "speculation" not in TargetScheduler("t", plain, 4, 4, ServeMetrics()).timing()
