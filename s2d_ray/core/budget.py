@@ -111,18 +111,16 @@ class SpeculationBudget:
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
       (n = 0 is a plain decoding step);
-    - once this engine has timed enough decode rounds of each kind at about this batch size, the measured seconds
-      per token decide instead: drafting rounds against all others together, then (not drafting) lookup-only tree
-      rounds against plain ones, each tried now and then (exploration). The model prices a first depth against one
-      plain step and nodes against one plain step; it misses what only the whole round shows (a served round's call
-      overheads, several plain steps per target call, deeper accepted paths). A drafting round counts only when its
-      drafting rows drafted the round before (the engine says so): the first one after a pause also catches the
-      draft's cache up on every token since, which made drafting look slower than it is.
+    - in a round that does not draft, once this engine has timed enough decode rounds of both kinds at about this
+      batch size, lookup-only tree rounds are kept only while their measured seconds per token beat plain rounds'
+      (one round in 16 tries the other): the model prices nodes against one plain step, where a served plain round
+      takes several steps per target call and pays one call overhead for them.
+    Whole decode rounds are timed by kind (drafted / lookup-only tree / plain, and `nodraft` for the last two) per
+    batch-size bucket and shown in the router's stats; a drafting round counts only when its drafting rows drafted
+    the round before (the engine says so): the first one after a pause also catches the draft up on every token since.
     """
 
-    EXPLORE_EVERY = 16  # a lookup-vs-plain exploration round this often
-    DRAFT_EXPLORE_EVERY = 48  # drafting (or not) explored for DRAFT_EXPLORE_SPAN rounds this often
-    DRAFT_EXPLORE_SPAN = 3
+    EXPLORE_EVERY = 16  # a drafting (when modelled not to pay) or lookup-vs-plain exploration round this often
     MEASURED_AFTER = 3  # decode rounds of each kind at a batch size before their measured rates decide
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
@@ -210,11 +208,9 @@ class SpeculationBudget:
         v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
         if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        draft = self.measured_better(batch, ("draft",), ("nodraft",))
-        if draft is None:
-            draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
-        if self.rounds % self.DRAFT_EXPLORE_EVERY < self.DRAFT_EXPLORE_SPAN and (self.rounds or not draft):
-            draft = not draft  # now and then the other: acceptance and load change (a first round that drafts does)
+        # The draft's own choice stays modelled: deciding it by measured rounds too (tried in session 7) drafted less
+        # at batch 1 and lost 4-9% on Spec-Bench, and was no better served (BENCHMARKS.md §3, session 7).
+        draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch) or self.rounds % self.EXPLORE_EVERY == 0
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
 
@@ -244,7 +240,7 @@ class SpeculationBudget:
         batch = max(len(estimates), 1)
         if not self._drafting:  # lookup-only trees or plain rounds: measured once both are (one round in 16 explores)
             trees = self.measured_better(batch, ("tree",), ("plain",))
-            if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY - 1:
+            if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:
                 trees = not trees
             if trees is False:
                 return 0
