@@ -214,20 +214,17 @@ class SpeculationBudget:
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
 
-    def measured_better(self, batch: int, kinds: tuple[str, ...], others: tuple[str, ...]) -> bool | None:
-        """Whether the best measured of `kinds` emitted tokens faster than the best measured of `others` at about
-        this batch size; None until each side has a kind with `MEASURED_AFTER` decode rounds there."""
-        def best(names: tuple[str, ...]) -> float | None:
-            rates = [v[0] / v[1] for n in names if (v := self._kinds.get((_bucket(batch), n)))
-                     and v[2] >= self.MEASURED_AFTER]
-            return min(rates) if rates else None
-
-        mine, theirs = best(kinds), best(others)
-        return None if mine is None or theirs is None else mine < theirs
+    def measured_better(self, batch: int, kind: str, other: str) -> bool | None:
+        """Whether `kind` rounds emitted tokens faster than `other` rounds at about this batch size, as measured; None
+        until both have `MEASURED_AFTER` decode rounds there."""
+        mine, theirs = self._kinds.get((_bucket(batch), kind)), self._kinds.get((_bucket(batch), other))
+        if mine is None or theirs is None or min(mine[2], theirs[2]) < self.MEASURED_AFTER:
+            return None
+        return mine[0] / mine[1] < theirs[0] / theirs[1]
 
     def measured(self) -> dict[str, dict[str, float]]:
         """Measured ms per token of each kind of decode round by batch size bucket (for stats; `nodraft`: tree and
-        plain rounds together, what drafting is measured against)."""
+        plain rounds together, what rounds that do not draft yield)."""
         return {f"{b}/{name}": {"ms_per_token": 1000.0 * v[0] / v[1], "rounds": v[2]}
                 for (b, name), v in sorted(self._kinds.items())}
 
@@ -239,7 +236,7 @@ class SpeculationBudget:
             return cap
         batch = max(len(estimates), 1)
         if not self._drafting:  # lookup-only trees or plain rounds: measured once both are (one round in 16 explores)
-            trees = self.measured_better(batch, ("tree",), ("plain",))
+            trees = self.measured_better(batch, "tree", "plain")
             if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:
                 trees = not trees
             if trees is False:

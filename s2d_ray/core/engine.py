@@ -77,7 +77,7 @@ class _Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
-    drafted_at: int = -2  # the engine round this sequence last drafted in
+    drafted_at: int = -2  # the budget's round this sequence last drafted in
 
     @property
     def tokens(self) -> list[int]:
@@ -110,7 +110,6 @@ class SpecEngine:
         self.max_context = max_context
         self.detokenize = detokenize
         self.seqs: dict[str, _Sequence] = {}
-        self._rounds = 0  # rounds observed (a sequence's drafted_at counts in these)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> None:
@@ -314,10 +313,9 @@ class SpecEngine:
         requests = self.score_requests(drafts, proposals)
         logits = score_steps(self.verifier.score, requests)
         t2 = time.perf_counter()
-        verify, decode = self._decode_verify(live, requests, t2 - t1), all(seq.generated for seq in live)  # before
-        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))  # commit gives prompt rows their token
-        nodes = max((len(p.tokens) for p in proposals), default=0)
-        return self._observed(outputs, drafted, t0, t1, verify, decode, live, nodes)
+        facts = self._round_facts(live, requests, proposals, t2 - t1)  # before commit gives prompt rows a token
+        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        return self._observed(outputs, drafted, t0, t1, live, *facts)
 
     async def step_async(self) -> list[StepOutput]:
         """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
@@ -331,13 +329,12 @@ class SpecEngine:
         requests = self.score_requests(drafts, proposals)
         logits = await _maybe_await(self.verifier.score(requests))
         t2 = time.perf_counter()
-        verify, decode = self._decode_verify(live, requests, t2 - t1), all(seq.generated for seq in live)  # before
-        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))  # commit gives prompt rows their token
-        nodes = max((len(p.tokens) for p in proposals), default=0)
-        return self._observed(outputs, drafted, t0, t1, verify, decode, live, nodes)
+        facts = self._round_facts(live, requests, proposals, t2 - t1)  # before commit gives prompt rows a token
+        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        return self._observed(outputs, drafted, t0, t1, live, *facts)
 
     def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float,
-                  verify: tuple[float, int, int] | None, decode: bool, live: list[_Sequence],
+                  live: list[_Sequence], verify: tuple[float, int, int] | None, decode: bool,
                   nodes: int) -> list[StepOutput]:
         """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
         node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
@@ -346,22 +343,25 @@ class SpecEngine:
             depths = [max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees]
             drafted = [seq for seq, d in zip(live, depths) if d > 0]
             # warm: every drafting row also drafted last round (else the draft caught up on a prompt or a pause)
-            warm = all(seq.drafted_at == self._rounds - 1 for seq in drafted)
+            rounds = self.budget.rounds
+            warm = all(seq.drafted_at == rounds - 1 for seq in drafted)
             for seq in drafted:
-                seq.drafted_at = self._rounds
+                seq.drafted_at = rounds
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
                                       max(depths, default=0), verify, batch=len(live) if decode and warm else None,
                                       nodes=nodes)
-        self._rounds += 1
         return outputs
 
     @staticmethod
-    def _decode_verify(live: list[_Sequence], requests: list[ScoreRequest], seconds: float) -> tuple | None:
-        """(seconds, batch, positions) of a round's verification when no row filled a prompt (those rounds cost
-        what the prompt costs, not what the grid models) and no row took several plain steps, else None."""
-        if any(not seq.generated for seq in live) or any(r.steps > 1 for r in requests):
-            return None
-        return seconds, len(requests), max(r.num_logits for r in requests)
+    def _round_facts(live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
+                     seconds: float) -> tuple[tuple | None, bool, int]:
+        """What the budget learns a round by, read before commit: the verification (seconds, batch, positions) when
+        it was a one-step decode round, else None (a prompt round costs what the prompt costs, not what the grid
+        models); whether no row filled its prompt; the most tree nodes a row verified."""
+        decode = all(seq.generated for seq in live)
+        one_step = decode and not any(r.steps > 1 for r in requests)
+        verify = (seconds, len(requests), max(r.num_logits for r in requests)) if one_step else None
+        return verify, decode, max((len(p.tokens) for p in proposals), default=0)
 
     def _propose(self, drafts: list[DraftRequest]) -> Any:
         """The drafter's proposals (a list, or an awaitable of one from a remote drafter); empty for rows that draft
