@@ -247,8 +247,9 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
                     draft.spec.thresholds)
     tok = target.tokenizer
     engine = assemble_engine(
-        cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs),
-        SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs) if draft is not None else None,
+        cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads),
+        SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads)
+        if draft is not None else None,
         profile,
         max_context=cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None),
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),

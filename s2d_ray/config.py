@@ -120,6 +120,10 @@ class EngineConfig(_Strict):
     cache_dir: str | None = Field(None, description="Where converted models live; default $S2D_CACHE_DIR or ~/.cache.")
     trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: all cores.")
+    wide_threads: int | None = Field(
+        None, ge=1, description="torch threads for wide passes (prompts, batches of >= 64 positions) when that is "
+        "more than num_threads; default: num_threads."
+    )
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode and verify forwards as CUDA graphs by shape "
                               "bucket (an eager GPU step is bound by kernel launches); no effect on the CPU.")
 

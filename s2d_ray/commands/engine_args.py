@@ -64,6 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
                    help="weights dtype; auto (default): bfloat16 where it is the fast path (CPU with AVX512-BF16 or "
                    "AMX), float32 elsewhere; the calibration profile is the one for the dtype used")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--wide-threads", type=int, default=None,
+                   help="torch threads for passes of >= 16 positions (prompts, trees, big batches); default: --threads")
 
 
 def engine_config(args: argparse.Namespace, target: str | None = None, mode: str | None = None) -> EngineConfig:
@@ -73,7 +75,7 @@ def engine_config(args: argparse.Namespace, target: str | None = None, mode: str
         draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
                           stop_confidence=args.stop_confidence),
         spec=spec_config(args, mode or args.mode),
-        num_threads=args.threads,
+        num_threads=args.threads, wide_threads=getattr(args, "wide_threads", None),
     )
 
 

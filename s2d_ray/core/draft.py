@@ -209,10 +209,12 @@ class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
 
     def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, wide_threads: int | None = None) -> None:
         self.draft = draft
         self.prefill_chunk = prefill_chunk  # 0: a prompt in one pass
         self.stack = draft.stack
+        if wide_threads:
+            self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda" and self.stack.graphs is None:
             self.stack.use_graphs()  # each segment's forwards as CUDA graphs (core/graphs.py)
         self.exit_layers = draft.spec.exit_layers

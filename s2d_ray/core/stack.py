@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import CapacityError, ModelLoadError
 from .attention import plan_kv_groups, use_grouped
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
+from .threads import intra_op_threads, pass_threads
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class LayerStack(nn.Module):
             use_grouped(self.layers)
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
+        self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
 
     def use_graphs(self, capture: bool | None = None) -> None:
         """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`
@@ -175,7 +177,9 @@ class LayerStack(nn.Module):
         groups = None
         if self.grouped and (plan := plan_kv_groups(lengths)) is not None:
             groups = [(torch.tensor(g, device=x.device), max(lengths[i] for i in g)) for g in plan]
-        return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache, groups)
+        with intra_op_threads(pass_threads(self.wide_threads, positions.numel())):
+            return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache,
+                                   groups)
 
     def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor,
                    cache: SlotKVCache, kv_groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:

@@ -36,10 +36,11 @@ class TargetVerifier:
     """
 
     def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, wide_threads: int | None = None) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)])
+        self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda":
             self.stack.use_graphs()  # decode and verify forwards as CUDA graphs (core/graphs.py)
         self.cache = self.stack.new_cache()

@@ -31,16 +31,16 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     draft = None
     if cfg.uses_draft:
         draft = DraftDeployment.options(name="draft", request_router_config=affinity_router_config(),
-                                        **cfg.draft.serve_options()).bind(cfg)
+                                        **cfg.deployment_options(cfg.draft.serve_options())).bind(cfg)
     targets = {
         t.name: TargetDeployment.options(name=f"target-{t.name}", request_router_config=affinity_router_config(),
-                                         **t.serve_options(), **t.placement())
+                                         **cfg.deployment_options(t.serve_options()), **t.placement())
         .bind(cfg, t.name)
         for t in cfg.targets
     }
     logger.info("s2d app: targets=%s draft=%s mode=%s", [t.name for t in cfg.targets],
                 cfg.draft.source if cfg.uses_draft else None, cfg.spec.mode)
-    router = cfg.router.serve_options()
+    router = cfg.deployment_options(cfg.router.serve_options())
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
     # 20 s cut long streams during a scale-down or redeploy.
     router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)

@@ -53,7 +53,8 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, S
         tuned = apply_exits(draft, ecfg, load_profile(ecfg))  # without a profile: the draft's own settings
         layers = tuple(tuned.spec.exit_layers)
         if layers != tuple(draft.spec.exit_layers):
-            out[t.name] = by_layers.setdefault(layers, SortedDrafter(tuned, cfg.draft.stop_confidence))
+            out[t.name] = by_layers.setdefault(
+                layers, SortedDrafter(tuned, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads))
         own = out[t.name].thresholds if t.name in out else draft.spec.thresholds
         if tuple(tuned.spec.thresholds) != tuple(own):
             thresholds[t.name] = tuple(tuned.spec.thresholds)
@@ -66,7 +67,7 @@ class DraftDeployment:
         set_threads(cfg.num_threads)
         self.thread = ModelThread(cfg.num_threads)
         draft = load_shared_draft(cfg)
-        self.default = SortedDrafter(draft, cfg.draft.stop_confidence)
+        self.default = SortedDrafter(draft, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads)
         self.by_target, self.thresholds = per_target_drafters(cfg, draft)
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())

@@ -67,7 +67,7 @@ class TargetDeployment:
             self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s, max_slots)
         else:
             model = load_target(ecfg).model
-            verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs)
+            verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)

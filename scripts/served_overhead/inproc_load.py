@@ -1,7 +1,7 @@
 """In-process twin of `s2d bench serve` at concurrency c: the same 24 prompts, 64 tokens greedy, continuous batching
 the way the router does it (a request joins between rounds while fewer than c run). tok/s = completion tokens / wall;
 per round: seconds, rows, prompt rows. Tells whether served plain loses at c8 to Serve or to the workload itself.
-Usage: python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (the Spec-Bench questions from QUESTIONS=path,
+Usage: [WIDE=2] python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (WIDE: wide_threads; the Spec-Bench questions from QUESTIONS=path,
 else ../shared next to the checkout)"""
 import json, os, sys, time
 from pathlib import Path
@@ -13,6 +13,7 @@ from s2d_ray.prompts import encode_prompt
 
 prompts = mixed_prompts(Path(os.environ['QUESTIONS']) if os.environ.get('QUESTIONS') else None)[:24]
 b = build_engine(EngineConfig.model_validate({"spec": {"mode": sys.argv[2]}, "num_threads": 1,
+                                              "wide_threads": int(os.environ.get("WIDE", 0)) or None,
                                               "target": {"dtype": sys.argv[1]}}))
 tok, eng = b.target.tokenizer, b.engine
 ids = [encode_prompt(tok, p, chat=False) for p in prompts]

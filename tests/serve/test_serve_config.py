@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from s2d_ray.serve import AppConfig, build_app
+from s2d_ray.serve.app_config import IN_LOOP_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOYMENT_YAMLS = sorted((REPO / "deployments").glob("*.yaml"))
@@ -49,6 +50,24 @@ def test_router_lets_streams_finish_on_scale_down():
     args["router"] = {"graceful_shutdown_timeout_s": 7}
     by_name = {d.name: d for d in _deployments(build_app(args))}
     assert by_name["router"]._deployment_config.graceful_shutdown_timeout_s == 7
+
+
+def test_every_deployment_runs_in_loop_unless_told_otherwise():
+    """serve_in_loop puts Serve's in-loop switches in each deployment's runtime_env; a value the config sets for one
+    deployment wins, its other runtime_env keys stay, and serve_in_loop: false leaves the options as they were."""
+    args = {"targets": [{"name": "t", "source": "hf-internal-testing/tiny-random-LlamaForCausalLM",
+                         "ray_actor_options": {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+                                                                            "X": "y"}, "pip": ["six"]}}}]}
+    envs = {d.name: d.ray_actor_options.get("runtime_env", {}) for d in _deployments(build_app(args))}
+    assert set(envs) == {"router", "draft", "target-t"}
+    for name in ("router", "draft"):
+        assert envs[name] == {"env_vars": IN_LOOP_ENV}
+    assert envs["target-t"] == {"pip": ["six"], "env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                                                             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "X": "y"}}
+    args["serve_in_loop"] = False
+    envs = {d.name: d.ray_actor_options.get("runtime_env", {}) for d in _deployments(build_app(args))}
+    assert envs == {"router": {}, "draft": {}, "target-t": {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+                                                                          "X": "y"}, "pip": ["six"]}}
 
 
 def test_gpu_yaml_describes_the_fleet():
