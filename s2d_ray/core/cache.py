@@ -50,6 +50,9 @@ class SlotKVCache:
         self._span: tuple[int, int] | None = None
         self.max_rows: int | None = None  # growth caps (None: unbounded); see RowTable.set_limits
         self.max_slots: int | None = None
+        # Passes whose rows were not one in-order range, so every layer gathered their K/V (a copy): what a batch of
+        # rows that do not sit side by side costs (the served stats show it).
+        self.num_passes = self.num_gathered = 0
 
     def _zeros(self, rows: int, slots: int) -> torch.Tensor:
         return torch.zeros(rows, slots, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -87,7 +90,10 @@ class SlotKVCache:
         # Any other set is gathered, a copy of every layer's K/V per call (measured: about half of an 8-row round
         # over mixed contexts on this CPU).
         span = torch.arange(first, first + rows.numel(), device=rows.device)
-        self.point(rows, positions, kv_len, (first, first + rows.numel()) if bool((rows == span).all()) else None)
+        in_order = bool((rows == span).all())
+        self.num_passes += 1
+        self.num_gathered += not in_order
+        self.point(rows, positions, kv_len, (first, first + rows.numel()) if in_order else None)
 
     def point(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
               span: tuple[int, int] | None = None) -> None:
