@@ -121,8 +121,8 @@ class EngineConfig(_Strict):
     trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
     num_threads: int | None = Field(None, ge=1, description="torch threads; default: all cores.")
     wide_threads: int | None = Field(
-        None, ge=1, description="torch threads for wide passes (prompts, batches of >= 64 positions) when that is "
-        "more than num_threads; default: num_threads."
+        None, ge=1, description="torch threads for wide passes (prompts, token trees, batches: >= 16 positions) "
+        "when that is more than num_threads; default: num_threads."
     )
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode and verify forwards as CUDA graphs by shape "
                               "bucket (an eager GPU step is bound by kernel launches); no effect on the CPU.")

@@ -208,9 +208,9 @@ class AppConfig(_Strict):
         "replica's model thread."
     )
     wide_threads: int | None = Field(
-        None, ge=1, description="torch threads for a replica's wide passes (prompts, batches of >= 64 positions; "
-        "tp_size 1); default: num_threads. A round drafts, then verifies: one router's draft and target passes never "
-        "run at the same time."
+        None, ge=1, description="torch threads for a replica's wide passes (prompts, token trees, batches: passes of "
+        ">= 16 positions; tp_size 1); default: num_threads. A round drafts, then verifies: one router's draft and "
+        "target passes never run at the same time."
     )
 
     @model_validator(mode="after")
