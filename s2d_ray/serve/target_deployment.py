@@ -47,7 +47,8 @@ class LocalTarget:
         table = self.verifier.table
         cache = self.verifier.cache
         return {"tp_size": 1, "num_evicted": table.num_evicted, "num_forked_tokens": table.num_forked_tokens,
-                "cache_bytes": cache.nbytes(), "num_passes": cache.num_passes, "num_gathered_passes": cache.num_gathered}
+                "cache_bytes": cache.nbytes(), "num_passes": cache.num_passes,
+                "num_gathered_passes": cache.num_gathered}
 
     @property
     def cpu_s(self) -> float:
