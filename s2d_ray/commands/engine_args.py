@@ -75,7 +75,7 @@ def engine_config(args: argparse.Namespace, target: str | None = None, mode: str
         draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
                           stop_confidence=args.stop_confidence),
         spec=spec_config(args, mode or args.mode),
-        num_threads=args.threads, wide_threads=getattr(args, "wide_threads", None),
+        num_threads=args.threads, wide_threads=args.wide_threads,
     )
 
 
