@@ -29,7 +29,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
 
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     draft = None
-    if cfg.uses_draft:
+    if cfg.draft_deployment:  # else the router loads the draft itself (draft.placement: router)
         draft = DraftDeployment.options(name="draft", request_router_config=affinity_router_config(),
                                         **cfg.deployment_options(cfg.draft.serve_options())).bind(cfg)
     targets = {
@@ -38,8 +38,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
         .bind(cfg, t.name)
         for t in cfg.targets
     }
-    logger.info("s2d app: targets=%s draft=%s mode=%s", [t.name for t in cfg.targets],
-                cfg.draft.source if cfg.uses_draft else None, cfg.spec.mode)
+    logger.info("s2d app: targets=%s draft=%s (%s) mode=%s", [t.name for t in cfg.targets],
+                cfg.draft.source if cfg.uses_draft else None, cfg.draft.placement, cfg.spec.mode)
     router = cfg.deployment_options(cfg.router.serve_options())
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
     # 20 s cut long streams during a scale-down or redeploy.

@@ -6,7 +6,7 @@ mistake is reported at `serve run` / `serve deploy` time, naming the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -136,6 +136,13 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
     """The ONE sorted draft every target shares (one tokenizer family), and how the router treats its failures."""
 
     dtype: DType = Field("auto", description="Draft weights dtype; `auto` as for targets (resolved for this replica).")
+    placement: Literal["deployment", "router"] = Field(
+        "deployment", description="`deployment`: the draft is its own Serve deployment (its own replicas and "
+        "autoscaling, shared by every router replica). `router`: each router replica loads the draft and runs it on "
+        "a model thread of its own (still shared by all of that router's targets, and their rounds still merge into "
+        "one forward): a drafting round makes one call fewer. The draft's deployment options (replicas, "
+        "autoscaling, num_cpus) then do not apply: size `router.num_cpus` for the draft's work."
+    )
     call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
     retry_after_s: float = Field(
         5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
@@ -232,8 +239,13 @@ class AppConfig(_Strict):
 
     @property
     def uses_draft(self) -> bool:
-        """Whether the app runs the sorted-draft deployment (`lookup` and `ar` need no draft model)."""
+        """Whether the app runs the sorted draft (`lookup` and `ar` need no draft model)."""
         return self.spec.uses_draft_model
+
+    @property
+    def draft_deployment(self) -> bool:
+        """Whether the draft is a deployment of its own (not placed in the router)."""
+        return self.uses_draft and self.draft.placement == "deployment"
 
     def target(self, name: str) -> TargetSpec:
         return next(t for t in self.targets if t.name == name)

@@ -151,3 +151,25 @@ class DraftDeployment:
         if expired:
             logger.warning("dropping draft state of %d idle sequences", len(expired))
         await self.thread.run(self._release_sync, expired)
+
+
+class InProcessHandle:
+    """A deployment handle's call shape over an object in this process: `handle.method.remote(...)` is an awaitable
+    of `obj.method(...)`. The router holds the draft this way with `draft.placement: router`, so its draft client
+    (affinity, fallback, timing) is the same code either way; the draft's forwards run on its own model thread."""
+
+    def __init__(self, obj: object) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> "_Method":
+        return _Method(getattr(self._obj, name))
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn  # an async method: calling it makes the coroutine the caller awaits
+
+
+def draft_in_router(cfg: AppConfig) -> InProcessHandle:
+    """The shared draft loaded in this (router) process: the deployment's class, without Serve around it."""
+    return InProcessHandle(DraftDeployment.func_or_class(cfg))

@@ -140,6 +140,10 @@ class Router:
         key = cfg.api_key.get_secret_value() if cfg.api_key else os.environ.get("S2D_API_KEY")
         self._api_key = key or None
         self.metrics = ServeMetrics()
+        if draft is None and cfg.uses_draft:  # draft.placement: router
+            from .draft_deployment import draft_in_router
+
+            draft = draft_in_router(cfg)
         self.draft_handle, self.target_handles = draft, targets
         self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
@@ -251,6 +255,11 @@ class Router:
             bad.append("draft")  # requests still succeed (target-only), so report but stay 200
         status = 503 if any(n != "draft" for n in bad) else 200
         return JSONResponse({"status": "ok" if not bad else "degraded", "failing": bad, **stats}, status_code=status)
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: with the draft placed here, its model thread answers and idle state is dropped."""
+        if self.cfg.uses_draft and self.cfg.draft.placement == "router":
+            await self.draft_handle.check_health.remote()
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:
