@@ -31,7 +31,7 @@ def test_deployment_yaml_is_valid_for_serve_and_for_us(path):
         assert app.import_path == "s2d_ray.serve:build_app"
         cfg = AppConfig.model_validate(app.args)
         names = [d.name for d in _deployments(build_app(app.args))]
-        expected = {"router", *(f"target-{t.name}" for t in cfg.targets)} | ({"draft"} if cfg.uses_draft else set())
+        expected = {"router", *(f"target-{t.name}" for t in cfg.targets)} | ({"draft"} if cfg.draft_deployment else set())
         assert set(names) == expected
 
 
@@ -88,7 +88,7 @@ def test_gpu_yaml_describes_the_fleet():
 def test_local_yaml_fits_a_two_cpu_ray():
     app = yaml.safe_load((REPO / "deployments" / "local.yaml").read_text())["applications"][0]
     cfg = AppConfig.model_validate(app["args"])
-    cpus = cfg.router.num_cpus + cfg.draft.num_cpus
+    cpus = cfg.router.num_cpus + (cfg.draft.num_cpus if cfg.draft_deployment else 0.0)
     for t in cfg.targets:
         cpus += t.num_cpus + (t.tp_worker_cpus * t.tp_size if t.tp_size > 1 else 0)
     assert cpus <= 2.0
@@ -114,6 +114,8 @@ def test_cluster_yaml_passes_ray_validation():
     ({"targets": [{"name": "a", "colour": "blue"}]}, "colour"),
     ({"spec": {"mode": "fast"}}, "mode"),
     ({"draft": {"exit_layers": [4, 2]}}, "increasing"),
+    ({"draft": {"placement": "router", "autoscaling_config": {"max_replicas": 2}}}, "autoscaling_config would not"),
+    ({"draft": {"placement": "gpu"}}, "placement"),
     ({"limits": {"max_queued_requests": -1}}, "max_queued_requests"),
 ])
 def test_bad_app_config_names_the_problem(args, needle):

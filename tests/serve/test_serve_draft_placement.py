@@ -23,7 +23,7 @@ def placed_app(serve_instance, tiny_family):
 
     cfg = tiny_config(tiny_family)
     cfg["targets"] = cfg["targets"][:2]  # tiny-a, tiny-b
-    cfg["draft"] = {**cfg["draft"], "placement": "router"}
+    cfg["draft"] = {**{k: v for k, v in cfg["draft"].items() if k != "num_cpus"}, "placement": "router"}
     yield deploy(build_app(cfg), "placed", serve_instance, cfg)
     undeploy("placed")
 
