@@ -106,7 +106,8 @@ class SpeculationBudget:
       grid was measured at one context length on a quiet machine; long contexts, other load and a remote verifier's
       call overhead make real rounds dearer, and a budget that trusts the grid keeps drafting where it loses);
     - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
-      verify(B, 2) + draft depth (re-checked now and then, so speculation comes back when load drops);
+      verify(B, 2) + draft depth (re-checked now and then, so speculation comes back when load drops), and from
+      5 rows only while whole drafting rounds, once timed, yield tokens faster than rounds without the draft;
     - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
@@ -122,6 +123,12 @@ class SpeculationBudget:
 
     EXPLORE_EVERY = 16  # a drafting (when modelled not to pay) or lookup-vs-plain exploration round this often
     MEASURED_AFTER = 3  # decode rounds of each kind at a batch size before their measured rates decide
+    # From this many rows, measured rounds also veto drafting the model would do: served at 8 rows, runs that drafted
+    # in most rounds lost to plain decoding (0.94-0.99x) where runs that drafted in few won (BENCHMARKS.md §3, session
+    # 9). Below it they do not: there the rounds that skip the draft are mostly lookup-alone rounds, chosen because a
+    # prompt-lookup match proposes well, so they look cheaper per token than drafting is (deciding by them lost 4-9%
+    # at batch 1, session 7).
+    MEASURED_DRAFT_FROM = 5
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -208,9 +215,13 @@ class SpeculationBudget:
         v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
         if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        # The draft's own choice stays modelled: deciding it by measured rounds too (tried in session 7) drafted less
-        # at batch 1 and lost 4-9% on Spec-Bench, and was no better served (BENCHMARKS.md §3, session 7).
-        draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch) or self.rounds % self.EXPLORE_EVERY == 0
+        # The draft's own choice is modelled; from MEASURED_DRAFT_FROM rows measured rounds may veto it (not below:
+        # deciding it by measured rounds at batch 1, tried in session 7, drafted less and lost 4-9% on Spec-Bench).
+        explore = self.rounds % self.EXPLORE_EVERY == 0
+        draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
+        if draft and batch >= self.MEASURED_DRAFT_FROM and self.measured_better(batch, "draft", "nodraft") is False:
+            draft = False  # whole drafting rounds measured slower per token than rounds without the draft
+        draft = draft or explore
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
 

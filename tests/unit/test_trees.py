@@ -352,6 +352,32 @@ def test_budget_keeps_lookup_nodes_only_while_measured_rounds_say_they_pay():
     assert measured["1/draft"]["ms_per_token"] == pytest.approx(50.0)
 
 
+def test_budget_lets_measured_rounds_veto_drafting_from_five_rows_only():
+    """A cheap draft the model would run at every batch size. Timed at 8 rows, drafting rounds yield a token per
+    9 ms and rounds without the draft per 7 ms: drafting stops there (the periodic exploration round still drafts,
+    and the output is unchanged: the plan only changes what is proposed). The same rates at 1 row change nothing
+    (rounds that skip the draft there are mostly lookup-alone rounds); once drafting rounds are faster at 8 rows,
+    drafting comes back."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid), 8: dict(grid)}, [0.5, 0.5, 0.5])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget.rounds = 5
+    assert budget.plan(1, 0).depth > 0 and budget.plan(8, 0).depth > 0
+    for batch in (1, 8):
+        for _ in range(SpeculationBudget.MEASURED_AFTER):
+            budget.observe_round(0.009 * batch, batch, 0.0005, 1, batch=batch)  # drafting rounds
+            budget.observe_round(0.007 * batch, batch, 0.0, 0, batch=batch)  # plain rounds
+    budget.rounds = 5
+    assert budget.plan(8, 0).depth == 0 and budget.plan(6, 0).depth == 0  # 5-8 rows share the bucket
+    assert budget.plan(1, 0).depth > 0 and budget.plan(4, 0).depth > 0
+    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    assert budget.plan(8, 0).depth > 0  # exploration keeps the drafting rounds timed
+    for _ in range(12):
+        budget.observe_round(0.005 * 8, 8, 0.0005, 1, batch=8)
+    budget.rounds = 5
+    assert budget.plan(8, 0).depth > 0
+
+
 def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
     """The round that fills a prompt is neither a decode round for the cost scale nor a timed round for the
     draft/plain choice; later rounds are (the check runs before commit gives the prompt row its first token)."""
