@@ -13,6 +13,10 @@ prompts = mixed_prompts(None)[:24]
 b = build_engine(EngineConfig.model_validate({"spec": {"mode": "s2d"}, "num_threads": 1, "wide_threads": 2,
                                               "target": {"dtype": "bfloat16"}}))
 tok, eng = b.target.tokenizer, b.engine
+if os.environ.get("LIMIT"):  # the target replica's KV bounds: LIMIT=rows,slots (local.yaml: 32,8192)
+    from s2d_ray.core.stack import limit_rows
+    rows, slots = map(int, os.environ["LIMIT"].split(","))
+    limit_rows(eng.verifier, rows, slots)
 pool = ThreadPoolExecutor(1)
 if os.environ.get("THREAD") == "1":
     pool.submit(torch.set_num_threads, 1).result()
@@ -38,5 +42,5 @@ while todo or eng.has_unfinished:
         eng.add_request(todo.pop(0))
     n += sum(len(o.new_tokens) for o in eng.step())
 dt = time.perf_counter() - t0
-print(json.dumps({"thread": os.environ.get("THREAD"), "tokens": n, "s": round(dt, 2), "tok_s": round(n / dt, 1),
+print(json.dumps({"thread": os.environ.get("THREAD"), "limit": os.environ.get("LIMIT"), "tokens": n, "s": round(dt, 2), "tok_s": round(n / dt, 1),
                   **{k: [cnt[k], round(1e3 * acc[k] / max(cnt[k], 1), 1), round(1e3 * cpu[k] / max(cnt[k], 1), 1)] for k in acc}}))
