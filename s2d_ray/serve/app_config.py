@@ -144,14 +144,6 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         "autoscaling, num_cpus) then do not apply: size `router.num_cpus` for the draft's work."
     )
     call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
-
-    @model_validator(mode="after")
-    def _placed_draft_has_no_deployment(self) -> "DraftDeploymentConfig":
-        given = sorted(set(DeploymentOptions.model_fields) & self.model_fields_set)
-        if self.placement == "router" and given:
-            raise ValueError(f"with placement: router the draft runs in the router's process: {', '.join(given)} "
-                             "would not apply (set the router's)")
-        return self
     retry_after_s: float = Field(
         5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
     )
@@ -165,6 +157,14 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         1.0, ge=0, le=1, description="Share of one measured draft forward a batch may wait for another caller's "
         "predicted round: merging saves that caller a forward of its own, worth about a forward (BENCHMARKS.md §3c)."
     )
+
+    @model_validator(mode="after")
+    def _placed_draft_has_no_deployment(self) -> "DraftDeploymentConfig":
+        given = sorted(set(DeploymentOptions.model_fields) & self.model_fields_set)
+        if self.placement == "router" and given:
+            raise ValueError(f"with placement: router the draft runs in the router's process: {', '.join(given)} "
+                             "would not apply (set the router's)")
+        return self
 
 
 class RouterOptions(DeploymentOptions):

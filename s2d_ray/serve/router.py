@@ -258,7 +258,7 @@ class Router:
 
     async def check_health(self) -> None:
         """Serve's periodic check: with the draft placed here, its model thread answers and idle state is dropped."""
-        if self.cfg.uses_draft and self.cfg.draft.placement == "router":
+        if self.cfg.uses_draft and not self.cfg.draft_deployment:
             await self.draft_handle.check_health.remote()
 
     @app.get("/metrics")

@@ -1,6 +1,6 @@
 """`draft.placement: router`: the router loads the shared draft and runs it on its own model thread. Served greedy
-still equals in-process target-only greedy for two targets (their rounds merge into one draft forward as on the
-draft deployment), no draft deployment exists, and /health reports the draft from the router's process."""
+still equals in-process target-only greedy for two targets decoding at once, no draft deployment exists, and /health
+reports the draft from the router's process."""
 
 from __future__ import annotations
 
