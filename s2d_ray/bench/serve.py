@@ -203,7 +203,25 @@ def timing_delta(before: dict | None, after: dict | None) -> dict | None:
                 if "mean_replica_cpu_ms" in a and "mean_replica_cpu_ms" in b else 0.0
             out[role] = {"calls": calls, "call_ms": wall / calls, "replica_ms": replica / calls,
                          "overhead_ms": (wall - replica) / calls, "replica_cpu_ms": cpu / calls if cpu > 0 else None}
+    spent = _spent_delta((before.get("speculation") or {}).get("spent"), (after.get("speculation") or {}).get("spent"))
+    if spent:
+        out["spent"] = spent
     return out
+
+
+def _spent_delta(before: dict | None, after: dict | None) -> dict | None:
+    """Per kind of round (prompt, draft, catch-up, tree, plain: the budget's `spent`), what one level added: rounds,
+    seconds, tokens."""
+    if not after:
+        return None
+    before = before or {}
+    out = {}
+    for kind, a in after.items():
+        b = before.get(kind, {"rounds": 0, "seconds": 0.0, "tokens": 0})
+        d = {k: a[k] - b[k] for k in ("rounds", "seconds", "tokens")}
+        if d["rounds"] > 0:
+            out[kind] = d
+    return out or None
 
 
 async def run_load(run: LoadRun, prompts: list[str]) -> dict:
@@ -231,6 +249,9 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
                 logger.info("concurrency %d %s: %s", c, label or "", summary[-1])
     settings = {**asdict(run), "api_key": "***" if run.api_key else None}
     return {"machine": machine_info(), "run": settings, "summary": summary, "requests": raw}
+
+
+SPENT_KINDS = ("prompt", "draft", "catch-up", "tree", "plain")
 
 
 def _f(x: float | None, fmt: str = "{:.1f}") -> str:
@@ -267,6 +288,20 @@ def serve_markdown(result: dict) -> str:
                          f"{tg.get('calls', 0)} | {_f(tg.get('call_ms'))} | {_f(tg.get('replica_ms'))} | "
                          f"{_f(tg.get('overhead_ms'))} | {_f(tg.get('replica_cpu_ms'))} | {dr.get('calls', 0)} | "
                          f"{_f(dr.get('overhead_ms'))} |")
+    spent = [s for s in timed if s["server"].get("spent")]
+    if spent:
+        lines += ["", "Where each level's rounds went, by kind of round (the load-aware budget's account: rounds, "
+                  "seconds, ms per emitted token; `catch-up`: a drafting round whose draft first caught up on tokens "
+                  "since its last drafting round):", "", "| level | " + " | ".join(SPENT_KINDS) + " |",
+                  "|---" * (len(SPENT_KINDS) + 1) + "|"]
+        for s in spent:
+            level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
+            cells = []
+            for kind in SPENT_KINDS:
+                k = s["server"]["spent"].get(kind)
+                cells.append("-" if k is None else f"{k['rounds']} / {k['seconds']:.2f} s / "
+                             f"{_f(1e3 * k['seconds'] / k['tokens'] if k['tokens'] else None)}")
+            lines.append(f"| {level} | " + " | ".join(cells) + " |")
     errors = [e for s in result["summary"] for e in s["error_samples"]]
     if errors:
         lines += ["", "Errors seen: " + "; ".join(sorted(set(errors))[:5])]

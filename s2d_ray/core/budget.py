@@ -140,6 +140,9 @@ class SpeculationBudget:
         self.scale = 1.0  # measured verify seconds over the grid's, EMA over decode rounds
         # (batch bucket, kind) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
         self._kinds: dict[tuple[int, str], list[float]] = {}
+        # kind -> [rounds, seconds, tokens] of every round (prompt rounds and drafting rounds that caught up too): where
+        # the time went, for stats; the choices use `_kinds`
+        self.spent: dict[str, list[float]] = {}
         self._drafting = False  # this round's plan drafts
 
     @property
@@ -153,13 +156,17 @@ class SpeculationBudget:
 
     def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
                       verify: tuple[float, int, int] | None = None, batch: int | None = None,
-                      nodes: int = 0) -> None:
+                      nodes: int = 0, prompt: bool = False) -> None:
         """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
         `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
         `batch` = its rows when the round is fit to time a kind of round by (no row filled a prompt, every drafting
         row also drafted the round before: the first draft after a pause catches up on every token since), else
-        None; `nodes`: the most tree nodes a row verified."""
+        None; `nodes`: the most tree nodes a row verified; `prompt`: a row filled its prompt."""
         self.rounds += 1
+        kind = "prompt" if prompt else ("draft" if batch else "catch-up") if depth > 0 else \
+            ("tree" if nodes > 0 else "plain")
+        spent = self.spent.setdefault(kind, [0, 0.0, 0])
+        spent[0], spent[1], spent[2] = spent[0] + 1, spent[1] + seconds, spent[2] + tokens
         if batch and tokens > 0:
             names = ("draft",) if depth > 0 else ("tree" if nodes > 0 else "plain", "nodraft")
             for name in names:

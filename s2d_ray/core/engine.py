@@ -349,7 +349,7 @@ class SpecEngine:
                 seq.drafted_at = rounds
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
                                       max(depths, default=0), verify, batch=len(live) if decode and warm else None,
-                                      nodes=nodes)
+                                      nodes=nodes, prompt=not decode)
         return outputs
 
     @staticmethod

@@ -293,7 +293,9 @@ class TargetScheduler:
                 out[role] = times.summary()
         budget = self.engine.budget
         if budget is not None and budget.load_aware:  # what the draft/plain choice is measured on
-            out["speculation"] = {"scale": budget.scale, "rounds": budget.rounds, "measured": budget.measured()}
+            out["speculation"] = {"scale": budget.scale, "rounds": budget.rounds, "measured": budget.measured(),
+                                  "spent": {kind: {"rounds": r, "seconds": s, "tokens": t}
+                                            for kind, (r, s, t) in sorted(budget.spent.items())}}
         return out
 
     @property

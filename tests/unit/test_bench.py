@@ -360,3 +360,26 @@ def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
         assert server["target"]["replica_cpu_ms"] == pytest.approx(8.0)
     assert "| 1 plain | 40 | 1.00 | 20.0 | 40 | 15.0 | 10.0 | 5.0 | 8.0 | 0 | - |" in serve_markdown(result)
     assert timing_delta(None, {"round": {}}) is None  # a server without clocks: nothing recorded
+
+
+def test_each_level_shows_where_its_rounds_went_by_kind():
+    """The budget's `spent` account (cumulative rounds, seconds, tokens per kind of round) is diffed per level and
+    tabulated with ms per token; kinds a level did not run stay out."""
+    from s2d_ray.bench.serve import serve_markdown, timing_delta
+
+    clocks = lambda rounds, spent: {"round": {"rounds": rounds, "mean_round_ms": 10.0},  # noqa: E731
+                                    "speculation": {"spent": spent}}
+    before = clocks(10, {"prompt": {"rounds": 2, "seconds": 0.5, "tokens": 2}})
+    after = clocks(30, {"prompt": {"rounds": 4, "seconds": 1.0, "tokens": 4},
+                        "catch-up": {"rounds": 3, "seconds": 0.6, "tokens": 12},
+                        "tree": {"rounds": 15, "seconds": 0.3, "tokens": 30}})
+    d = timing_delta(before, after)
+    assert d["spent"] == {"prompt": {"rounds": 2, "seconds": 0.5, "tokens": 2},
+                          "catch-up": {"rounds": 3, "seconds": pytest.approx(0.6), "tokens": 12},
+                          "tree": {"rounds": 15, "seconds": pytest.approx(0.3), "tokens": 30}}
+    level = {"concurrency": 8, "variant": "speculative", "completed": 1, "errors": 0, "throughput_tokens_per_s": 1.0,
+             "requests_per_s": 1.0, "output_tokens": 46, "error_samples": [], "server": d,
+             **{f"{m}_ms_{q}": None for m in ("ttft", "itl", "tpot") for q in ("p50", "p99")}}
+    text = serve_markdown({"run": {"url": "u", "model": "m", "max_tokens": 1, "temperature": 0.0, "requests": 1,
+                                   "max_seconds": 1.0, "concurrency": [8]}, "summary": [level]})
+    assert "| 8 speculative | 2 / 0.50 s / 250.0 | - | 3 / 0.60 s / 50.0 | 15 / 0.30 s / 10.0 | - |" in text

@@ -348,6 +348,11 @@ def test_budget_keeps_lookup_nodes_only_while_measured_rounds_say_they_pay():
     assert budget.plan(1, 0).depth > 0 and budget.node_cap([[0.9, 0.5]]) > 0  # a drafting round keeps its nodes
     measured = budget.measured()
     assert set(measured) == {"1/draft", "1/plain", "1/tree", "1/nodraft"}
+    # every round is in the time account, by kind: prompt rounds and drafting rounds that caught up too
+    assert {k: v[0] for k, v in budget.spent.items()} == {"plain": 3, "tree": 6, "draft": 3}
+    budget.observe_round(0.2, 8, 0.1, 2, batch=None)  # a drafting round whose draft caught up first
+    budget.observe_round(0.2, 8, 0.0, 0, batch=None, prompt=True)
+    assert budget.spent["catch-up"] == [1, 0.2, 8] and budget.spent["prompt"] == [1, 0.2, 8]
     assert measured["1/plain"]["ms_per_token"] == pytest.approx(7.5)
     assert measured["1/draft"]["ms_per_token"] == pytest.approx(50.0)
 
