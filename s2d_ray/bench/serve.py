@@ -217,8 +217,7 @@ def _spent_delta(before: dict | None, after: dict | None) -> dict | None:
     before = before or {}
     out = {}
     for kind, a in after.items():
-        b = before.get(kind, {"rounds": 0, "seconds": 0.0, "tokens": 0})
-        d = {k: a[k] - b[k] for k in ("rounds", "seconds", "tokens")}
+        d = {k: a.get(k, 0) - before.get(kind, {}).get(k, 0) for k in ("rounds", "seconds", "tokens", "draft_seconds")}
         if d["rounds"] > 0:
             out[kind] = d
     return out or None
@@ -291,16 +290,16 @@ def serve_markdown(result: dict) -> str:
     spent = [s for s in timed if s["server"].get("spent")]
     if spent:
         lines += ["", "Where each level's rounds went, by kind of round (the load-aware budget's account: rounds, "
-                  "seconds, ms per emitted token; `catch-up`: a drafting round whose draft first caught up on tokens "
-                  "since its last drafting round):", "", "| level | " + " | ".join(SPENT_KINDS) + " |",
+                  "seconds (of which drafting), ms per emitted token; `catch-up`: a drafting round whose draft first "
+                  "caught up on tokens since its last drafting round):", "", "| level | " + " | ".join(SPENT_KINDS) + " |",
                   "|---" * (len(SPENT_KINDS) + 1) + "|"]
         for s in spent:
             level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
             cells = []
             for kind in SPENT_KINDS:
                 k = s["server"]["spent"].get(kind)
-                cells.append("-" if k is None else f"{k['rounds']} / {k['seconds']:.2f} s / "
-                             f"{_f(1e3 * k['seconds'] / k['tokens'] if k['tokens'] else None)}")
+                cells.append("-" if k is None else f"{k['rounds']} / {k['seconds']:.2f} s "
+                             f"({k['draft_seconds']:.2f}) / {_f(1e3 * k['seconds'] / k['tokens'] if k['tokens'] else None)}")
             lines.append(f"| {level} | " + " | ".join(cells) + " |")
     errors = [e for s in result["summary"] for e in s["error_samples"]]
     if errors:

@@ -107,7 +107,8 @@ class SpeculationBudget:
       call overhead make real rounds dearer, and a budget that trusts the grid keeps drafting where it loses);
     - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
       verify(B, 2) + draft depth (re-checked now and then, so speculation comes back when load drops), and from
-      5 rows only while whole drafting rounds, once timed, yield tokens faster than rounds without the draft;
+      5 rows only while whole drafting rounds, once timed, yield tokens faster than rounds without the draft
+      (there a re-check drafts two rounds, the second timed, and comes half as often each time drafting still loses);
     - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
@@ -129,6 +130,10 @@ class SpeculationBudget:
     # prompt-lookup match proposes well, so they look cheaper per token than drafting is (deciding by them lost 4-9%
     # at batch 1, session 7).
     MEASURED_DRAFT_FROM = 5
+    # There, while drafting is not chosen, exploring it is a pair of rounds (the catch-up, then a timed one) whose gap
+    # doubles from EXPLORE_EVERY up to this many times it: at a steady 8 rows each pair cost ~150 ms of catch-up and
+    # wide verification for nothing (BENCHMARKS.md §3, session 10).
+    EXPLORE_BACKOFF = 16
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -140,10 +145,12 @@ class SpeculationBudget:
         self.scale = 1.0  # measured verify seconds over the grid's, EMA over decode rounds
         # (batch bucket, kind) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
         self._kinds: dict[tuple[int, str], list[float]] = {}
-        # kind -> [rounds, seconds, tokens] of every round (prompt rounds and drafting rounds that caught up too): where
+        # kind -> [rounds, seconds, tokens, draft seconds] of every round (prompt rounds and drafting rounds that caught up too): where
         # the time went, for stats; the choices use `_kinds`
         self.spent: dict[str, list[float]] = {}
         self._drafting = False  # this round's plan drafts
+        self._explore_gap: dict[int, int] = {}  # batch bucket (>= MEASURED_DRAFT_FROM rows) -> rounds between explorations
+        self._explore_second: int | None = None  # the bucket whose exploration's timed second round is next
 
     @property
     def load_aware(self) -> bool:
@@ -165,8 +172,9 @@ class SpeculationBudget:
         self.rounds += 1
         kind = "prompt" if prompt else ("draft" if batch else "catch-up") if depth > 0 else \
             ("tree" if nodes > 0 else "plain")
-        spent = self.spent.setdefault(kind, [0, 0.0, 0])
-        spent[0], spent[1], spent[2] = spent[0] + 1, spent[1] + seconds, spent[2] + tokens
+        spent = self.spent.setdefault(kind, [0, 0.0, 0, 0.0])
+        spent[0], spent[1], spent[2], spent[3] = spent[0] + 1, spent[1] + seconds, spent[2] + tokens, \
+            spent[3] + draft_seconds
         if batch and tokens > 0:
             names = ("draft",) if depth > 0 else ("tree" if nodes > 0 else "plain", "nodraft")
             for name in names:
@@ -224,10 +232,20 @@ class SpeculationBudget:
             return RoundPlan(0)
         # The draft's own choice is modelled; from MEASURED_DRAFT_FROM rows measured rounds may veto it (not below:
         # deciding it by measured rounds at batch 1, tried in session 7, drafted less and lost 4-9% on Spec-Bench).
-        explore = self.rounds % self.EXPLORE_EVERY == 0
+        bucket, gated = _bucket(batch), batch >= self.MEASURED_DRAFT_FROM
+        gap = self._explore_gap.get(bucket, self.EXPLORE_EVERY) if gated else self.EXPLORE_EVERY
+        second, self._explore_second = self._explore_second == bucket, None
+        explore = second or self.rounds % gap == 0
         draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
-        if draft and batch >= self.MEASURED_DRAFT_FROM and self.measured_better(batch, "draft", "nodraft") is False:
+        if draft and gated and self.measured_better(batch, "draft", "nodraft") is False:
             draft = False  # whole drafting rounds measured slower per token than rounds without the draft
+        if gated and draft:
+            self._explore_gap.pop(bucket, None)
+        elif gated and explore and not second:
+            # The draft's first round after a pause catches up on every token since (at 8 rows, hundreds) and is not
+            # timed: explore two rounds so the second is (a veto can lift), half as often each time it did not.
+            self._explore_gap[bucket] = min(2 * gap, self.EXPLORE_EVERY * self.EXPLORE_BACKOFF)
+            self._explore_second = bucket
         draft = draft or explore
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)

@@ -294,8 +294,8 @@ class TargetScheduler:
         budget = self.engine.budget
         if budget is not None and budget.load_aware:  # what the draft/plain choice is measured on
             out["speculation"] = {"scale": budget.scale, "rounds": budget.rounds, "measured": budget.measured(),
-                                  "spent": {kind: {"rounds": r, "seconds": s, "tokens": t}
-                                            for kind, (r, s, t) in sorted(budget.spent.items())}}
+                                  "spent": {kind: {"rounds": r, "seconds": s, "tokens": t, "draft_seconds": d}
+                                            for kind, (r, s, t, d) in sorted(budget.spent.items())}}
         return out
 
     @property

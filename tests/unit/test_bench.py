@@ -371,15 +371,16 @@ def test_each_level_shows_where_its_rounds_went_by_kind():
                                     "speculation": {"spent": spent}}
     before = clocks(10, {"prompt": {"rounds": 2, "seconds": 0.5, "tokens": 2}})
     after = clocks(30, {"prompt": {"rounds": 4, "seconds": 1.0, "tokens": 4},
-                        "catch-up": {"rounds": 3, "seconds": 0.6, "tokens": 12},
+                        "catch-up": {"rounds": 3, "seconds": 0.6, "tokens": 12, "draft_seconds": 0.25},
                         "tree": {"rounds": 15, "seconds": 0.3, "tokens": 30}})
     d = timing_delta(before, after)
-    assert d["spent"] == {"prompt": {"rounds": 2, "seconds": 0.5, "tokens": 2},
-                          "catch-up": {"rounds": 3, "seconds": pytest.approx(0.6), "tokens": 12},
-                          "tree": {"rounds": 15, "seconds": pytest.approx(0.3), "tokens": 30}}
+    assert d["spent"] == {"prompt": {"rounds": 2, "seconds": 0.5, "tokens": 2, "draft_seconds": 0},
+                          "catch-up": {"rounds": 3, "seconds": pytest.approx(0.6), "tokens": 12, "draft_seconds": 0.25},
+                          "tree": {"rounds": 15, "seconds": pytest.approx(0.3), "tokens": 30, "draft_seconds": 0}}
     level = {"concurrency": 8, "variant": "speculative", "completed": 1, "errors": 0, "throughput_tokens_per_s": 1.0,
              "requests_per_s": 1.0, "output_tokens": 46, "error_samples": [], "server": d,
              **{f"{m}_ms_{q}": None for m in ("ttft", "itl", "tpot") for q in ("p50", "p99")}}
     text = serve_markdown({"run": {"url": "u", "model": "m", "max_tokens": 1, "temperature": 0.0, "requests": 1,
                                    "max_seconds": 1.0, "concurrency": [8]}, "summary": [level]})
-    assert "| 8 speculative | 2 / 0.50 s / 250.0 | - | 3 / 0.60 s / 50.0 | 15 / 0.30 s / 10.0 | - |" in text
+    assert "| 8 speculative | 2 / 0.50 s (0.00) / 250.0 | - | 3 / 0.60 s (0.25) / 50.0 | 15 / 0.30 s (0.00) / 10.0 | - |" \
+        in text

@@ -352,7 +352,7 @@ def test_budget_keeps_lookup_nodes_only_while_measured_rounds_say_they_pay():
     assert {k: v[0] for k, v in budget.spent.items()} == {"plain": 3, "tree": 6, "draft": 3}
     budget.observe_round(0.2, 8, 0.1, 2, batch=None)  # a drafting round whose draft caught up first
     budget.observe_round(0.2, 8, 0.0, 0, batch=None, prompt=True)
-    assert budget.spent["catch-up"] == [1, 0.2, 8] and budget.spent["prompt"] == [1, 0.2, 8]
+    assert budget.spent["catch-up"] == [1, 0.2, 8, 0.1] and budget.spent["prompt"] == [1, 0.2, 8, 0.0]
     assert measured["1/plain"]["ms_per_token"] == pytest.approx(7.5)
     assert measured["1/draft"]["ms_per_token"] == pytest.approx(50.0)
 
@@ -376,11 +376,35 @@ def test_budget_lets_measured_rounds_veto_drafting_from_five_rows_only():
     assert budget.plan(8, 0).depth == 0 and budget.plan(6, 0).depth == 0  # 5-8 rows share the bucket
     assert budget.plan(1, 0).depth > 0 and budget.plan(4, 0).depth > 0
     budget.rounds = SpeculationBudget.EXPLORE_EVERY
-    assert budget.plan(8, 0).depth > 0  # exploration keeps the drafting rounds timed
+    assert budget.plan(8, 0).depth > 0  # a re-check: the catch-up round, then the timed one
+    budget.rounds += 1
+    assert budget.plan(8, 0).depth > 0
     for _ in range(12):
         budget.observe_round(0.005 * 8, 8, 0.0005, 1, batch=8)
-    budget.rounds = 5
-    assert budget.plan(8, 0).depth > 0
+    budget.rounds += 1
+    assert budget.plan(8, 0).depth > 0 and 8 not in budget._explore_gap  # drafting won: chosen again, gap reset
+
+
+def drafting_rounds(budget: SpeculationBudget, batch: int, rounds: range) -> list[int]:
+    """The rounds (one plan each) in which the budget drafted."""
+    out = []
+    for r in rounds:
+        budget.rounds = r
+        if budget.plan(batch, 0).depth > 0:
+            out.append(r)
+    return out
+
+
+def test_budget_rechecks_a_vetoed_draft_in_timed_pairs_ever_less_often():
+    """From 5 rows, while measured rounds veto the draft, a re-check drafts two rounds in a row (the first catches the
+    draft up and is not timed; the second is), the gap doubling from 16 rounds up to 256; below 5 rows the draft is
+    explored one round in 16 as before. No re-check wastes a round: without them the vetoed bucket never drafts."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid), 8: dict(grid)}, [50.0, 50.0, 50.0])  # a dear draft: modelled not to pay
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    assert drafting_rounds(budget, 8, range(17, 600)) == [32, 33, 64, 65, 128, 129, 256, 257, 512, 513]
+    assert drafting_rounds(budget, 2, range(17, 100)) == [32, 48, 64, 80, 96]
+    assert drafting_rounds(budget, 16, range(17, 40)) == [32, 33]  # 9-16 rows: a bucket of its own
 
 
 def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
