@@ -134,6 +134,8 @@ class SpeculationBudget:
     # doubles from EXPLORE_EVERY up to this many times it: at a steady 8 rows each pair cost ~150 ms of catch-up and
     # wide verification for nothing (BENCHMARKS.md §3, session 10).
     EXPLORE_BACKOFF = 16
+    # And no such pair starts in a round that fills a prompt, nor ends on one: a prompt round is never timed (it costs
+    # what the prompt costs), so a pair there paid its catch-up for nothing; it waits for the next decode round.
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -151,6 +153,7 @@ class SpeculationBudget:
         self._drafting = False  # this round's plan drafts
         self._explore_gap: dict[int, int] = {}  # batch bucket (>= MEASURED_DRAFT_FROM rows) -> rounds between explorations
         self._explore_second: int | None = None  # the bucket whose exploration's timed second round is next
+        self._explore_due: int | None = None  # the bucket whose exploration waits for a round without a prompt
 
     @property
     def load_aware(self) -> bool:
@@ -217,7 +220,8 @@ class SpeculationBudget:
         return self.costs.draft(batch) / 1000.0
 
     # --- decisions ----------------------------------------------------------------------------------------------
-    def plan(self, batch: int, default_depth: int) -> RoundPlan:
+    def plan(self, batch: int, default_depth: int, prompts: int = 0) -> RoundPlan:
+        """This round's draft depth and node threshold for `batch` rows, `prompts` of which fill their prompt."""
         if self.costs is None:
             return RoundPlan(default_depth)
         if self.shape.width < 1 or self.max_depth < 1:
@@ -235,12 +239,16 @@ class SpeculationBudget:
         bucket, gated = _bucket(batch), batch >= self.MEASURED_DRAFT_FROM
         gap = self._explore_gap.get(bucket, self.EXPLORE_EVERY) if gated else self.EXPLORE_EVERY
         second, self._explore_second = self._explore_second == bucket, None
-        explore = second or self.rounds % gap == 0
+        due, self._explore_due = self._explore_due == bucket, None
+        explore = second or due or self.rounds % gap == 0
         draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
         if draft and gated and self.measured_better(batch, "draft", "nodraft") is False:
             draft = False  # whole drafting rounds measured slower per token than rounds without the draft
         if gated and draft:
             self._explore_gap.pop(bucket, None)
+        elif gated and explore and prompts:  # untimed: a pair waits; its second round drafts (keeps rows warm) and waits
+            self._explore_second, self._explore_due = (bucket, None) if second else (None, bucket)
+            explore = second
         elif gated and explore and not second:
             # The draft's first round after a pause catches up on every token since (at 8 rows, hundreds) and is not
             # timed: explore two rounds so the second is (a veto can lift), half as often each time it did not.

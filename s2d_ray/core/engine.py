@@ -143,7 +143,7 @@ class SpecEngine:
         live = list(self.seqs.values())
         plan = None
         if self.budget is not None and self.budget.load_aware and self.drafter is not None:
-            plan = self.budget.plan(len(live), 0)
+            plan = self.budget.plan(len(live), 0, prompts=sum(not seq.generated for seq in live))
         width = self.budget.shape.width if self.trees else 1
         frontier = self.budget.shape.frontier if self.trees else 1
         min_score = plan.min_score if plan is not None else 0.0

@@ -187,7 +187,7 @@ def test_auto_policy_stops_deepening_at_low_confidence(target):
     ar = run(SpecEngine(TargetVerifier(target)), prompts, 30, batch=True)
     plans = []
     plan = engine.budget.plan
-    engine.budget.plan = lambda *a: plans.append(plan(*a)) or plans[-1]
+    engine.budget.plan = lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1]
     out = run(engine, prompts, 30, batch=True)
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     drafting = [p for p in plans if p.depth > 0]
@@ -385,12 +385,13 @@ def test_budget_lets_measured_rounds_veto_drafting_from_five_rows_only():
     assert budget.plan(8, 0).depth > 0 and 8 not in budget._explore_gap  # drafting won: chosen again, gap reset
 
 
-def drafting_rounds(budget: SpeculationBudget, batch: int, rounds: range) -> list[int]:
-    """The rounds (one plan each) in which the budget drafted."""
+def drafting_rounds(budget: SpeculationBudget, batch: int, rounds: range, prompt_rounds: set[int] = frozenset()
+                    ) -> list[int]:
+    """The rounds (one plan each) in which the budget drafted; `prompt_rounds` fill a prompt (one row each)."""
     out = []
     for r in rounds:
         budget.rounds = r
-        if budget.plan(batch, 0).depth > 0:
+        if budget.plan(batch, 0, prompts=int(r in prompt_rounds)).depth > 0:
             out.append(r)
     return out
 
@@ -407,6 +408,19 @@ def test_budget_rechecks_a_vetoed_draft_in_timed_pairs_ever_less_often():
     assert drafting_rounds(budget, 16, range(17, 40)) == [32, 33]  # 9-16 rows: a bucket of its own
 
 
+def test_budget_starts_and_ends_a_recheck_pair_on_decode_rounds_only():
+    """A prompt round is never timed, so a vetoed draft's re-check pair neither starts on one (it waits for the next
+    decode round) nor ends on one (its second round drafts, keeping the rows warm, and the timed round is the next
+    decode round). Below 5 rows nothing changes. Without the wait the pair at 32 would have been [32, 33]."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid), 8: dict(grid)}, [50.0, 50.0, 50.0])  # a dear draft: modelled not to pay
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    prompts = {32, 65, 66}
+    assert drafting_rounds(budget, 8, range(17, 140), prompts) == [33, 34, 64, 65, 66, 67, 128, 129]
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    assert drafting_rounds(budget, 2, range(17, 70), prompts) == [32, 48, 64]
+
+
 def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
     """The round that fills a prompt is neither a decode round for the cost scale nor a timed round for the
     draft/plain choice; later rounds are (the check runs before commit gives the prompt row its first token)."""
@@ -416,8 +430,12 @@ def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
     observe = engine.budget.observe_round
     engine.budget.observe_round = lambda *a, **k: (seen.append((a[4] if len(a) > 4 else k.get("verify"),
                                                                 k.get("batch"))), observe(*a, **k))[1]
+    plans = []
+    plan = engine.budget.plan
+    engine.budget.plan = lambda *a, **k: (plans.append(k.get("prompts")), plan(*a, **k))[1]
     run(engine, random_prompts(1, seed=2), 6, batch=True)
     assert seen[0] == (None, None)
+    assert plans[0] == 1 and set(plans[1:]) == {0}  # the plan knows which round fills a prompt
     assert any(batch == 1 for _, batch in seen[1:]) and len(seen) > 1
 
 
@@ -426,7 +444,7 @@ def test_engine_times_a_drafting_round_only_when_its_rows_drafted_the_round_befo
     timed as a drafting round; the next one is."""
     costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.1, 0.1, 0.1])
     engine = tree_engine(target, 2, False, costs)
-    engine.budget.plan = lambda batch, depth: RoundPlan(2, 0.0)  # always draft
+    engine.budget.plan = lambda batch, depth, prompts=0: RoundPlan(2, 0.0)  # always draft
     seen = []
     observe = engine.budget.observe_round
     engine.budget.observe_round = lambda *a, **k: (seen.append((a[3], k.get("batch"))), observe(*a, **k))[1]
