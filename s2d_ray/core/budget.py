@@ -95,7 +95,6 @@ class RoundPlan:
 
     depth: int
     min_score: float = 0.0
-    prompt_rows_draft: bool = True  # rows filling their prompt this round draft too (else lookup only)
 
 
 class SpeculationBudget:
@@ -257,11 +256,7 @@ class SpeculationBudget:
             self._explore_second = bucket
         draft = draft or explore
         self._drafting = draft
-        # From MEASURED_DRAFT_FROM rows a row filling its prompt does not draft in that round: its draft would first
-        # fill the whole prompt (0.8-2.5 s of a 25 s level at 8 rows, session 12), where drafting is mostly vetoed and
-        # a row often finishes without drafting again; a row that drafts later catches up then.
-        return RoundPlan(self.max_depth, self.acceptance.score_for(needed), prompt_rows_draft=not gated) if draft \
-            else RoundPlan(0)
+        return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
 
     def measured_better(self, batch: int, kind: str, other: str) -> bool | None:
         """Whether `kind` rounds emitted tokens faster than `other` rounds at about this batch size, as measured; None

@@ -149,7 +149,7 @@ class SpecEngine:
         min_score = plan.min_score if plan is not None else 0.0
         drafts = []
         for seq in live:
-            k = seq.k if plan is None else plan.depth if seq.generated or plan.prompt_rows_draft else 0
+            k = seq.k if plan is None else plan.depth
             k = max(0, min(k, self._remaining(seq))) if self.drafter is not None and seq.req.speculate else 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
                                        tree=self.trees and seq.req.speculate, width=width, min_score=min_score,

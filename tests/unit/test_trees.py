@@ -421,26 +421,6 @@ def test_budget_starts_and_ends_a_recheck_pair_on_decode_rounds_only():
     assert drafting_rounds(budget, 2, range(17, 70), prompts) == [32, 48, 64]
 
 
-def test_from_five_rows_a_row_filling_its_prompt_does_not_draft_that_round(target):
-    """A cheap draft the budget runs at every batch size. With 2 rows the prompt round drafts (as before); with 6
-    rows the rows filling their prompt ask for lookup nodes only (k = 0), so the draft never fills a prompt in a
-    round it will not be timed by; the next round they draft. Output is the target's greedy either way."""
-    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}, 8: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}},
-                      [0.01, 0.01, 0.01])
-    for rows, first_k in ((2, 6), (6, 0)):
-        engine = tree_engine(target, 2, True, costs)
-        asked = []
-        plan = engine.plan
-        engine.plan = lambda: (lambda out: (asked.append([d.k for d in out[1]]), out)[1])(plan())
-        prompts = random_prompts(rows, seed=5)
-        out = engine.generate([GenerationRequest(f"s{i}", p, 12) for i, p in enumerate(prompts)])
-        assert asked[0] == [first_k] * rows and all(k > 0 for k in asked[1]), (rows, asked[:2])
-        for p, o in zip(prompts, out):
-            assert o.token_ids == reference_greedy(target, p, 12)
-    assert SpeculationBudget(TreeShape(width=2), costs, 4).plan(8, 0).prompt_rows_draft is False
-    assert SpeculationBudget(TreeShape(width=2), costs, 4).plan(4, 0).prompt_rows_draft is True
-
-
 def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
     """The round that fills a prompt is neither a decode round for the cost scale nor a timed round for the
     draft/plain choice; later rounds are (the check runs before commit gives the prompt row its first token)."""
