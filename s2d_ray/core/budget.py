@@ -154,7 +154,6 @@ class SpeculationBudget:
         self._explore_gap: dict[int, int] = {}  # batch bucket (>= MEASURED_DRAFT_FROM rows) -> rounds between explorations
         self._explore_second: int | None = None  # the bucket whose exploration's timed second round is next
         self._explore_due: int | None = None  # the bucket whose exploration waits for a round without a prompt
-        self._prompt_round = False  # this round's plan had rows filling their prompt
 
     @property
     def load_aware(self) -> bool:
@@ -223,7 +222,6 @@ class SpeculationBudget:
     # --- decisions ----------------------------------------------------------------------------------------------
     def plan(self, batch: int, default_depth: int, prompts: int = 0) -> RoundPlan:
         """This round's draft depth and node threshold for `batch` rows, `prompts` of which fill their prompt."""
-        self._prompt_round = prompts > 0
         if self.costs is None:
             return RoundPlan(default_depth)
         if self.shape.width < 1 or self.max_depth < 1:
@@ -281,10 +279,6 @@ class SpeculationBudget:
         if self.costs is None:
             return cap
         batch = max(len(estimates), 1)
-        if not self._drafting and self._prompt_round and batch >= self.MEASURED_DRAFT_FROM:
-            # A prompt round at 5+ rows costs mostly its prompts; plain, its riding rows take several steps in the
-            # one call (`plain_steps`), where lookup nodes give them one step and a few accepted tokens.
-            return 0
         if not self._drafting:  # lookup-only trees or plain rounds: measured once both are (one round in 16 explores)
             trees = self.measured_better(batch, "tree", "plain")
             if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:

@@ -421,28 +421,6 @@ def test_budget_starts_and_ends_a_recheck_pair_on_decode_rounds_only():
     assert drafting_rounds(budget, 2, range(17, 70), prompts) == [32, 48, 64]
 
 
-def test_a_prompt_round_from_five_rows_without_the_draft_is_plain(target):
-    """With drafting off, a round that fills a prompt at 5+ rows keeps no lookup nodes (its riding rows take plain
-    steps, several per call); decode rounds and smaller batches still keep them. Output is the target's greedy."""
-    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
-    costs = CostModel({1: dict(grid), 8: dict(grid)}, [50.0, 50.0, 50.0])  # a dear draft: modelled not to pay
-    budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=8), costs, max_depth=4)
-    budget.rounds = 3
-    for batch, prompts, plain in ((8, 1, True), (8, 0, False), (4, 1, False)):
-        assert budget.plan(batch, 0, prompts=prompts).depth == 0
-        assert (budget.node_cap([[0.9, 0.5]] * batch) == 0) == plain, (batch, prompts)
-    engine = tree_engine(target, 2, True, costs)
-    engine.plain_steps = 3
-    steps = []
-    score = engine.score_requests
-    engine.score_requests = lambda d, p: (lambda out: (steps.append([r.steps for r in out]), out)[1])(score(d, p))
-    prompts = repetitive_prompts(3, seed=6) + random_prompts(3, seed=6)
-    out = engine.generate([GenerationRequest(f"s{i}", p, 16) for i, p in enumerate(prompts)])
-    assert steps[0] == [3] * 6  # the prompt round: plain steps for every row
-    for p, o in zip(prompts, out):
-        assert o.token_ids == reference_greedy(target, p, 16)
-
-
 def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
     """The round that fills a prompt is neither a decode round for the cost scale nor a timed round for the
     draft/plain choice; later rounds are (the check runs before commit gives the prompt row its first token)."""
