@@ -38,23 +38,38 @@ def grouped_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     kv_groups: list[tuple[torch.Tensor, int]] | None = None,
+    kv_runs: list[tuple[int, int, int, int]] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [b, h, q, d], key/value [b, kvh, k, d], mask additive or bool, broadcastable to [b, h, q, k] (None:
     causal, aligned to the last key). Returns ([b, q, h, d], None) as Hugging Face attention functions do.
 
     kv_groups (`plan_kv_groups`): rows that attend apart, each group over only its own first slots, so short rows
-    beside a long one stop reading (and copying) the long row's slots; their masks hide those slots anyway."""
+    beside a long one stop reading (and copying) the long row's slots; their masks hide those slots anyway.
+
+    kv_runs (`SlotKVCache.select`): key/value hold the covering range of the query rows' cache rows (holes included,
+    a view, not a copy); run (qa, qb, ka, kb) pairs query rows qa..qb-1 with key rows ka..kb-1."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kv_runs is not None and (kv_groups is None or attention_mask is None):
+        b, h, q, d = query.shape
+        out = query.new_empty(b, q, h, d)
+        for qa, qb, ka, kb in kv_runs:
+            mask = attention_mask if attention_mask is None or attention_mask.shape[0] == 1 else attention_mask[qa:qb]
+            out[qa:qb] = _attend_blocks(query[qa:qb], key[ka:kb], value[ka:kb], mask, scale)
+        return out, None
     if kv_groups is None or attention_mask is None:
         return _attend_blocks(query, key, value, attention_mask, scale), None
     b, h, q, d = query.shape
     out = query.new_empty(b, q, h, d)
+    key_rows = None
+    if kv_runs is not None:  # query row -> its row in the covering range
+        key_rows = torch.cat([torch.arange(ka, kb, device=query.device) for _, _, ka, kb in kv_runs])
     for rows, length in kv_groups:
         mask = attention_mask if attention_mask.shape[0] == 1 else attention_mask.index_select(0, rows)
+        krows = rows if key_rows is None else key_rows.index_select(0, rows)
         # index_select, not key[rows]: it copies a strided view ~7x faster than advanced indexing here
-        out[rows] = _attend_blocks(query.index_select(0, rows), key[:, :, :length].index_select(0, rows),
-                                   value[:, :, :length].index_select(0, rows), mask[..., :length], scale)
+        out[rows] = _attend_blocks(query.index_select(0, rows), key[:, :, :length].index_select(0, krows),
+                                   value[:, :, :length].index_select(0, krows), mask[..., :length], scale)
     return out, None
 
 

@@ -19,6 +19,10 @@ def grown(current: int, needed: int, cap: int | None = None) -> int:
     return max(needed, doubled)
 
 
+# Runs of consecutive rows a pass may attend over in place of a gather (each run is a few more small ops a layer).
+MAX_RUNS = 4
+
+
 class SlotKVCache:
     """Keys and values as [rows, slots, kv_heads, head_dim] per layer; grows rows and slots on demand.
 
@@ -79,21 +83,44 @@ class SlotKVCache:
                     t = torch.cat([t, self._zeros(add_rows, t.shape[1])], dim=0)
                 store[i] = t
 
-    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
+    def select(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
+               runs_ok: bool = False) -> list[tuple[int, int, int, int]] | None:
         """Set which rows and positions the next layer calls write, and how many slots they attend over.
 
         rows: [n] row indices; positions: [n, s] slot of each new token; kv_len: slots visible to attention.
+        runs_ok: the caller's attention can take K/V over the rows' covering range with `runs` (below); then rows
+        in ascending order with a few holes are not gathered. Returns those runs, or None (a view or a gather).
         """
         first = int(rows.min())
         self.reserve(int(rows.max()) + 1, max(kv_len, int(positions.max()) + 1))
         # Rows first..first+n-1 in order (callers sort their batch by row): attention reads a view of the cache.
         # Any other set is gathered, a copy of every layer's K/V per call (measured: about half of an 8-row round
-        # over mixed contexts on this CPU).
+        # over mixed contexts on this CPU), unless the attention reads the covering range's view run by run: served
+        # passes skip rows often (a plain call's later steps run the rows still stepping; a prompt round's decode
+        # rows skip the row being prefilled), and the gather cost 3.1 s of forward per 1,000 tokens served at 8
+        # rows against 0.7 in-process (BENCHMARKS.md §3, session 12).
         span = torch.arange(first, first + rows.numel(), device=rows.device)
         in_order = bool((rows == span).all())
         self.num_passes += 1
-        self.num_gathered += not in_order
-        self.point(rows, positions, kv_len, (first, first + rows.numel()) if in_order else None)
+        runs = self._runs(rows) if runs_ok and not in_order else None
+        self.num_gathered += not in_order and runs is None
+        if runs is not None:
+            self.point(rows, positions, kv_len, (first, int(rows.max()) + 1))
+        else:
+            self.point(rows, positions, kv_len, (first, first + rows.numel()) if in_order else None)
+        return runs
+
+    @staticmethod
+    def _runs(rows: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+        """Rows in ascending order as at most MAX_RUNS runs of consecutive rows: (first query, end query, first key
+        row, end key row), key rows counted from the first row; None when they are not ascending or too many."""
+        r = rows.tolist()
+        if any(b <= a for a, b in zip(r, r[1:])):
+            return None
+        cuts = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1] + [len(r)]
+        if len(cuts) - 1 > MAX_RUNS:
+            return None
+        return [(a, b, r[a] - r[0], r[b - 1] - r[0] + 1) for a, b in zip(cuts, cuts[1:])]
 
     def point(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int,
               span: tuple[int, int] | None = None) -> None:

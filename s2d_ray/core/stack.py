@@ -172,25 +172,31 @@ class LayerStack(nn.Module):
                 return out
         lengths = (positions[:, -1] + 1).tolist()  # a row's grid ends at its last (or last dummy) slot
         kv_len = max(lengths)
-        cache.select(rows, positions, kv_len)
+        runs = cache.select(rows, positions, kv_len, runs_ok=self.grouped)
         mask = slot_mask(positions, kv_len, x.dtype) if allowed is None else additive_mask(allowed, x.dtype)
         groups = None
         if self.grouped and (plan := plan_kv_groups(lengths)) is not None:
             groups = [(torch.tensor(g, device=x.device), max(lengths[i] for i in g)) for g in plan]
         with intra_op_threads(pass_threads(self.wide_threads, positions.numel())):
             return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache,
-                                   groups)
+                                   groups, runs)
 
     def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor,
-                   cache: SlotKVCache, kv_groups: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
+                   cache: SlotKVCache, kv_groups: list[tuple[torch.Tensor, int]] | None = None,
+                   kv_runs: list[tuple[int, int, int, int]] | None = None) -> torch.Tensor:
         """One segment's layers over x with an additive mask [n, 1, s, kv_len] and RoPE positions, the cache already
         pointed at its rows and slots (eager calls and the graphs a SegmentGraphs captures share this); kv_groups:
-        rows attending apart over their own slots (grouped attention only, `plan_kv_groups`)."""
+        rows attending apart over their own slots (grouped attention only, `plan_kv_groups`); kv_runs: the cache
+        hands K/V over the rows' covering range, and these runs map query rows to its rows (`SlotKVCache.select`)."""
         lo, hi = self.segments[seg]
         if not self.grouped:  # grouped attention broadcasts one mask over the heads
             mask = head_mask(mask, self.parts.num_heads)
         cos_sin = self.parts.rotary(x, position_ids=rope)
-        extra = {self.cache_kwarg: cache} if kv_groups is None else {self.cache_kwarg: cache, "kv_groups": kv_groups}
+        extra = {self.cache_kwarg: cache}
+        if kv_groups is not None:
+            extra["kv_groups"] = kv_groups
+        if kv_runs is not None:
+            extra["kv_runs"] = kv_runs
         for layer in self.layers[lo:hi]:
             out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin, **extra)
             x = out[0] if isinstance(out, tuple) else out
