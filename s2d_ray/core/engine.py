@@ -184,8 +184,10 @@ class SpecEngine:
         """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one (and rows over
         the whole prompt in the first round of a sequence that wants prompt logprobs; that round drafts nothing).
         In a round where no row has draft tokens (plain decoding, every row opted out, or speculation switched off
-        for the round), a greedy row asks for up to `plain_steps` tokens in the one call."""
-        plain = self.plain_steps > 1 and not any(p.tokens for p in proposals)
+        for the round), a greedy row asks for up to `plain_steps` tokens in the one call; a round in which a row fills
+        its prompt is one pass (its first token streams right after the prefill, not after the others' steps)."""
+        plain = self.plain_steps > 1 and not any(p.tokens for p in proposals) and \
+            all(seq.generated for seq in (self.seqs.get(d.seq_id) for d in drafts) if seq is not None)
         out = []
         for d, p in zip(drafts, proposals):
             n = len(p.tokens) + 1

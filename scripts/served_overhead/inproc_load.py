@@ -1,7 +1,7 @@
 """In-process twin of `s2d bench serve` at concurrency c: the same 24 prompts, 64 tokens greedy, continuous batching
 the way the router does it (a request joins between rounds while fewer than c run). tok/s = completion tokens / wall;
 per round: seconds, rows, prompt rows. Tells whether served plain loses at c8 to Serve or to the workload itself.
-Usage: [WIDE=2] python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (WIDE: wide_threads; the Spec-Bench questions from QUESTIONS=path,
+Usage: [WIDE=2] [STEPS=4] [TURN_MS=30] python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (WIDE: wide_threads; STEPS: the engine's plain_steps, greedy steps per call in rounds without drafts, as the router sets it; TURN_MS: a client's next request arrives this long after its last one finished, as an HTTP client's does (default 0); the Spec-Bench questions from QUESTIONS=path,
 else ../shared next to the checkout)"""
 import json, os, sys, time
 from pathlib import Path
@@ -16,22 +16,36 @@ b = build_engine(EngineConfig.model_validate({"spec": {"mode": sys.argv[2]}, "nu
                                               "wide_threads": int(os.environ.get("WIDE", 0)) or None,
                                               "target": {"dtype": sys.argv[1]}}))
 tok, eng = b.target.tokenizer, b.engine
+eng.plain_steps = int(os.environ.get("STEPS", 1))
 ids = [encode_prompt(tok, p, chat=False) for p in prompts]
 eng.generate([GenerationRequest("warm", ids[0], 16)])
+turn_s = float(os.environ.get("TURN_MS", 0)) / 1e3
 for c in map(int, sys.argv[3:]):
     todo = [GenerationRequest(f"c{c}r{i}", x, 64, stop_token_ids=(tok.eos_token_id,)) for i, x in enumerate(ids)]
     rounds, n, t0 = [], 0, time.perf_counter()
+    ready = [t0] * c  # closed loop: a client sends its next request TURN_MS after its last one finished
+    owner: dict[str, int] = {}
     while todo or eng.has_unfinished:
         new = 0
-        while todo and len(eng.seqs) < c:
-            req = todo.pop(0)
-            eng.add_request(req)
-            new += len(req.prompt_ids)
+        now = time.perf_counter()
+        if not eng.has_unfinished and todo and min(ready) > now:
+            time.sleep(min(ready) - now)
+            now = time.perf_counter()
+        for j in range(c):
+            if todo and ready[j] is not None and ready[j] <= now:
+                req = todo.pop(0)
+                eng.add_request(req)
+                owner[req.seq_id], ready[j] = j, None
+                new += len(req.prompt_ids)
         rows = len(eng.seqs)
         t = time.perf_counter()
         outs = eng.step()
-        rounds.append((time.perf_counter() - t, rows, new))
+        end = time.perf_counter()
+        rounds.append((end - t, rows, new))
         n += sum(len(o.new_tokens) for o in outs)
+        for o in outs:
+            if o.finished:
+                ready[owner[o.seq_id]] = end + turn_s
     dt = time.perf_counter() - t0
     pr = [r for r in rounds if r[2]]
     dec = [r for r in rounds if not r[2]]

@@ -72,7 +72,7 @@ def test_plain_engine_takes_several_steps_per_call_with_every_stop_rule(target):
     ref = [reference_greedy(target, p, 13) for p in prompts]
     shipped = Shipped(TargetVerifier(target))
     engine = SpecEngine(shipped, plain_steps=4, detokenize=lambda ids: " ".join(f"t{i}" for i in ids))
-    reqs = [GenerationRequest("n", prompts[0], 13),  # 13 = 4 + 4 + 4 + 1: the last call asks one step
+    reqs = [GenerationRequest("n", prompts[0], 13),  # 13 = 1 + 4 + 4 + 4: the prompt's call is one pass
             GenerationRequest("eos", prompts[1], 13, stop_token_ids=(ref[1][5],)),
             GenerationRequest("str", prompts[2], 13, stop_strings=(f"t{ref[2][2]}",))]
     out = {r.seq_id: r for r in engine.generate(reqs)}
@@ -80,7 +80,7 @@ def test_plain_engine_takes_several_steps_per_call_with_every_stop_rule(target):
     assert out["eos"].token_ids == ref[1][: ref[1].index(ref[1][5]) + 1] and out["eos"].finish_reason == "stop"
     first = next(i for i in range(13) if f"t{ref[2][2]}" in " ".join(f"t{t}" for t in ref[2][: i + 1]))
     assert out["str"].token_ids == ref[2][: first + 1] and out["str"].finish_reason == "stop"
-    assert len(shipped.calls) == 4 and shipped.calls[0]["n"] == 4  # one step per call would take 13 calls
+    assert len(shipped.calls) == 4 and [c["n"] for c in shipped.calls] == [1, 4, 4, 4]  # one step each: 13 calls
     assert out["n"].metrics["num_target_forwards"] == 13
     engine.max_context = len(prompts[3]) + 6
     res = engine.generate([GenerationRequest("ctx", prompts[3], 13)])[0]
@@ -126,7 +126,7 @@ def test_rounds_where_speculating_rows_draft_nothing_take_several_steps(target):
     engine = SpecEngine(shipped, NoProposals(), FixedK(3), plain_steps=4)
     out = engine.generate([GenerationRequest(f"s{i}", p, 9) for i, p in enumerate(prompts)])
     assert [r.token_ids for r in out] == ref
-    assert [c["s0"] for c in shipped.calls] == [4, 4, 1]
+    assert [c["s0"] for c in shipped.calls] == [1, 4, 4]
 
 
 def test_rows_that_opted_out_never_reach_the_drafter(target):
@@ -145,3 +145,31 @@ def test_rows_that_opted_out_never_reach_the_drafter(target):
     out = {r.seq_id: r for r in engine.generate(reqs)}
     assert out["plain"].token_ids == ref[0] and out["spec"].token_ids == ref[1][:4] and len(out["hot"].token_ids) == 10
     assert seen == {"spec"} and drafter.num_active == 0
+
+
+def test_a_round_that_fills_a_prompt_is_one_pass(target):
+    """A request joining mid-stream: the round that prefills it steps every row once, so its first token (and the
+    riding row's next one) returns after one pass, not after the others' extra steps; the tokens stay greedy."""
+    prompts = random_prompts(2, seed=11)
+    ref = [reference_greedy(target, p, 12) for p in prompts]
+    shipped = Shipped(TargetVerifier(target))
+    engine = SpecEngine(shipped, plain_steps=4)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+
+    def step() -> dict:
+        outs = {o.seq_id: o for o in engine.step()}
+        for seq_id, o in outs.items():
+            got[seq_id] += o.new_tokens
+        return outs
+
+    engine.add_request(GenerationRequest("a", prompts[0], 12))
+    step(), step()  # a's prompt (one pass), then a plain round of 4 steps
+    engine.add_request(GenerationRequest("b", prompts[1], 12))
+    outs = step()  # b's prompt, a riding
+    assert shipped.calls[-1] == {"a": 1, "b": 1} and len(outs["b"].new_tokens) == 1
+    step()
+    assert shipped.calls[-1] == {"a": 4, "b": 4}
+    while engine.has_unfinished:
+        step()
+    assert got == {"a": ref[0], "b": ref[1]}
+    assert [c["a"] for c in shipped.calls if "a" in c] == [1, 4, 1, 4, 2]  # 12 tokens, 5 calls
