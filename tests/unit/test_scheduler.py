@@ -333,9 +333,11 @@ def test_plain_rounds_take_several_steps_per_target_call(target, expected):
 
     results = s.run(main)
     assert [r[0] for r in results] == want[:3]
-    assert len(s.target_replica.batches) == NEW_TOKENS // 4  # one step per call: NEW_TOKENS calls
-    second = s.target_replica.seen[1]
-    assert second == {f"r{i}": len(p) + 3 for i, p in enumerate(prompts[:3])}  # prompt + 4 steps, the last no KV yet
+    # the prompt's call is one pass, then 4 steps a call (one step per call: NEW_TOKENS calls)
+    assert len(s.target_replica.batches) == 1 + -(-(NEW_TOKENS - 1) // 4)
+    assert s.target_replica.seen[1] == {f"r{i}": len(p) for i, p in enumerate(prompts[:3])}
+    third = s.target_replica.seen[2]
+    assert third == {f"r{i}": len(p) + 4 for i, p in enumerate(prompts[:3])}  # + 1 + 4 steps, the last no KV yet
     assert sum(s.sched.engine.verifier.affinity.recomputed.values()) == 0
 
 
