@@ -108,7 +108,9 @@ class SpeculationBudget:
     - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
       verify(B, 2) + draft depth (re-checked now and then, so speculation comes back when load drops), and from
       5 rows only while whole drafting rounds, once timed, yield tokens faster than rounds without the draft
-      (there a re-check drafts two rounds, the second timed, and comes half as often each time drafting still loses);
+      (there a re-check drafts two rounds, the second timed, and comes half as often each time drafting still loses;
+      and while the model drafts, rounds without the draft are timed first and one round in 16 after, so that the
+      comparison exists whichever kind the run started with);
     - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
       depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
     - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
@@ -242,8 +244,16 @@ class SpeculationBudget:
         due, self._explore_due = self._explore_due == bucket, None
         explore = second or due or self.rounds % gap == 0
         draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
-        if draft and gated and self.measured_better(batch, "draft", "nodraft") is False:
-            draft = False  # whole drafting rounds measured slower per token than rounds without the draft
+        if draft and gated:
+            if self.measured_better(batch, "draft", "nodraft") is False:
+                draft = False  # whole drafting rounds measured slower per token than rounds without the draft
+            elif not prompts and (self._timed(bucket, "nodraft") < self.MEASURED_AFTER
+                                  or self.rounds % self.EXPLORE_EVERY == 0):
+                # The model drafts, but rounds without the draft were never (or not lately) timed at this size, so
+                # nothing could veto it: a run that drafted from its first round at 8 rows kept drafting at 26 ms a
+                # token where lookup-only rounds took 13-15 (BENCHMARKS.md §3, session 13). Time one (a decode round).
+                self._drafting = False
+                return RoundPlan(0)
         if gated and draft:
             self._explore_gap.pop(bucket, None)
         elif gated and explore and prompts:  # untimed: a pair waits; its second round drafts (keeps rows warm) and waits
@@ -257,6 +267,11 @@ class SpeculationBudget:
         draft = draft or explore
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
+
+    def _timed(self, bucket: int, kind: str) -> int:
+        """Decode rounds of `kind` timed in a batch-size bucket."""
+        got = self._kinds.get((bucket, kind))
+        return 0 if got is None else int(got[2])
 
     def measured_better(self, batch: int, kind: str, other: str) -> bool | None:
         """Whether `kind` rounds emitted tokens faster than `other` rounds at about this batch size, as measured; None

@@ -367,7 +367,7 @@ def test_budget_lets_measured_rounds_veto_drafting_from_five_rows_only():
     costs = CostModel({1: dict(grid), 8: dict(grid)}, [0.5, 0.5, 0.5])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     budget.rounds = 5
-    assert budget.plan(1, 0).depth > 0 and budget.plan(8, 0).depth > 0
+    assert budget.plan(1, 0).depth > 0 and budget.plan(8, 0).depth == 0  # 8 rows: rounds without it timed first
     for batch in (1, 8):
         for _ in range(SpeculationBudget.MEASURED_AFTER):
             budget.observe_round(0.009 * batch, batch, 0.0005, 1, batch=batch)  # drafting rounds
@@ -383,6 +383,32 @@ def test_budget_lets_measured_rounds_veto_drafting_from_five_rows_only():
         budget.observe_round(0.005 * 8, 8, 0.0005, 1, batch=8)
     budget.rounds += 1
     assert budget.plan(8, 0).depth > 0 and 8 not in budget._explore_gap  # drafting won: chosen again, gap reset
+
+
+def test_budget_times_rounds_without_the_draft_when_the_model_drafts_from_five_rows():
+    """A cheap draft the model runs at every batch size. From 5 rows, rounds without the draft are timed first (three
+    decode rounds; a prompt round drafts as modelled and is not one of them), then drafting rounds; the measured rates
+    then decide. While drafting keeps winning, one round in 16 is still timed without it (so the veto can act when
+    load or acceptance change); below 5 rows nothing changes. Without this a run whose first rounds drafted kept
+    drafting whatever it cost (session 13: 26 ms a token against 13-15 for lookup-only rounds)."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid), 8: dict(grid)}, [0.5, 0.5, 0.5])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    plans = []
+    for r in range(1, 7):
+        budget.rounds = r
+        prompt = r == 2
+        plans.append(budget.plan(8, 0, prompts=int(prompt)).depth > 0)
+        if not plans[-1]:
+            budget.observe_round(0.056, 8, 0.0, 0, batch=8)  # a timed round without the draft (7 ms a token)
+    assert plans == [False, True, False, False, True, True]  # 3 timed rounds without it (the prompt round drafts)
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.040, 8, 0.0005, 1, batch=8)  # drafting rounds: 5 ms a token, faster
+    assert drafting_rounds(budget, 8, range(17, 50)) == [r for r in range(17, 50) if r % 16]
+    assert drafting_rounds(budget, 2, range(17, 50)) == list(range(17, 50))
+    for _ in range(12):
+        budget.observe_round(0.080, 8, 0.0005, 1, batch=8)  # drafting got dear: 10 ms a token
+    assert drafting_rounds(budget, 8, range(50, 60)) == []  # vetoed by what was measured
 
 
 def drafting_rounds(budget: SpeculationBudget, batch: int, rounds: range, prompt_rounds: set[int] = frozenset()
