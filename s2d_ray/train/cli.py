@@ -68,6 +68,12 @@ def _register_train(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--stop-at", type=int, default=None, help="stop (checkpointed) at this step; schedule of --steps")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop (checkpointed) after the step that ends S seconds after this command started (loading "
+                        "and the KD cache build count); --save still writes the draft of that step")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the draft, targets, batches and validation run (auto: cuda when torch sees a GPU); "
+                        "checkpoints hold CPU tensors, so a run may resume on another device")
     p.add_argument("--init", default=None, help="start from this draft directory (e.g. an earlier stage)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--no-progress", action="store_true")
@@ -81,8 +87,11 @@ def _one_or_list(values: list[str] | None) -> str | list[str] | None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import time
+
     from .soft import Run, SoftConfig, export_checkpoint
 
+    started = time.monotonic()
     set_threads(args.threads)
     if args.export_only:
         if not args.save:
@@ -99,7 +108,7 @@ def run_train(args: argparse.Namespace) -> int:
                      batch_size=args.batch_size, steps=args.steps, lr=args.lr, warmup=args.warmup,
                      weight_decay=args.weight_decay, val_every=args.val_every, ckpt_every=args.ckpt_every,
                      val_examples=args.val_examples, onpath_data=_one_or_list(args.onpath_data), seed=args.seed,
-                     threads=args.threads, limit_examples=args.limit_examples, init=args.init)
+                     threads=args.threads, limit_examples=args.limit_examples, init=args.init, device=args.device)
     if cfg.kd_weight > 0 and not cfg.kd_targets:
         raise ValueError("--kd-weight > 0 needs at least one --kd-target")
     if cfg.kd_topk < 1:
@@ -113,7 +122,8 @@ def run_train(args: argparse.Namespace) -> int:
         logger.warning("no checkpoint in %s: starting fresh", args.out)
     elif not args.resume and (Path(args.out) / "checkpoint.pt").exists():
         raise ValueError(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
-    run.train(progress=not args.no_progress, until=args.stop_at)
+    deadline = None if args.time_limit is None else started + args.time_limit
+    run.train(progress=not args.no_progress, until=args.stop_at, deadline=deadline)
     final = run.history[-1] if run.history else {}
     if args.save:
         run.save_draft(Path(args.save), "s2d " + shlex.join(sys.argv[1:]))

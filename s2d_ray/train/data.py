@@ -126,12 +126,20 @@ class Packed:
     row: torch.Tensor | None = None
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [B, 1, S, S] mask: causal within each packed document, nothing across documents."""
+        """Additive [B, 1, S, S] mask: causal within each packed document, nothing across documents (on the batch's
+        device)."""
         s = self.ids.shape[1]
-        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=self.doc.device).tril()
         allowed = causal[None] & (self.doc[:, :, None] == self.doc[:, None, :])
-        out = torch.zeros(allowed.shape, dtype=dtype)
+        out = torch.zeros(allowed.shape, dtype=dtype, device=self.doc.device)
         return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+    def to(self, device: torch.device | str) -> "Packed":
+        """The batch on `device` (itself when it is there already)."""
+        if self.ids.device == torch.device(device):
+            return self
+        return Packed(*(None if t is None else t.to(device)
+                        for t in (self.ids, self.labels, self.positions, self.doc, self.row)))
 
 
 def pack(examples: list[tuple[list[int], list[bool]]], seq_len: int) -> list[Packed]:

@@ -46,6 +46,17 @@ class SubVocab:
     def to_full(self, sub_ids: torch.Tensor) -> torch.Tensor:
         return sub_ids if self.ids is None else self.ids[sub_ids]
 
+    def to(self, device: torch.device | str) -> "SubVocab":
+        """Moves the id maps to `device` (where the labels and logits they index live); returns self."""
+        if self.ids is not None:
+            self.ids, self.index = self.ids.to(device), self.index.to(device)
+        return self
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's weights live (the device its inputs must be on)."""
+    return next(module.parameters()).device
+
 
 def run_layers(parts, layers: nn.ModuleList, batch: Packed, exits: list[int]) -> list[torch.Tensor]:
     """Hidden states [B, S, h] after each exit layer (before the final norm)."""
@@ -62,7 +73,9 @@ def run_layers(parts, layers: nn.ModuleList, batch: Packed, exits: list[int]) ->
 
 
 def exit_logits(parts, layers, batch: Packed, exits: list[int], vocab: SubVocab, head_weight=None) -> ExitOut:
-    """Logits at every exit for the labelled positions (norm + head; head_weight overrides the shared rows)."""
+    """Logits at every exit for the labelled positions (norm + head; head_weight overrides the shared rows), on the
+    layers' device (the batch is moved there)."""
+    batch = batch.to(module_device(parts.embed))
     select = batch.labels != -100
     hiddens = run_layers(parts, layers, batch, exits)
     weight = head_weight if head_weight is not None else vocab.head_weight(parts.head)
@@ -72,8 +85,10 @@ def exit_logits(parts, layers, batch: Packed, exits: list[int], vocab: SubVocab,
 
 @torch.no_grad()
 def target_logits(model: nn.Module, batch: Packed, vocab: SubVocab) -> torch.Tensor:
-    """A target's logits [N, V'] at the labelled positions of a packed batch (same masks and positions)."""
+    """A target's logits [N, V'] at the labelled positions of a packed batch (same masks and positions), on the
+    model's device (the batch is moved there)."""
     parts = decoder_parts(model)
+    batch = batch.to(module_device(model))
     (h,) = run_layers(parts, parts.layers, batch, [len(parts.layers)])
     h = parts.norm(h[batch.labels != -100])
     return F.linear(h, vocab.head_weight(parts.head)).float()

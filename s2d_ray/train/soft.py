@@ -32,6 +32,10 @@ from .validate import Validator
 
 logger = logging.getLogger(__name__)
 CKPT = "checkpoint.pt"
+# Settings a resumed run may change: how long it runs, where (a run moves between machines: checkpoints hold CPU
+# tensors and load onto any device) and how often it checkpoints. None of them changes what a step computes.
+RESUME_MAY_CHANGE = ("steps", "device", "ckpt_every")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -71,9 +75,34 @@ class SoftConfig:
     dtype: str = "float32"
     limit_examples: int | None = None
     init: str | None = None  # a draft directory to start from (its layers, and its vocabulary if reduced)
+    device: str = "auto"  # auto | cpu | cuda (auto: cuda when available); not part of the run's identity on resume
 
     def exits(self) -> list[int]:
         return self.exit_layers or default_exits(self.num_layers)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` -> cuda when torch sees a GPU, else cpu; `cuda` without a GPU is refused."""
+    if name not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but torch sees no GPU; use --device cpu (or auto)")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_cpu(state):
+    """A (nested) state with every tensor on the CPU, as checkpoints store it (CPU tensors are kept as they are)."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(v) for v in state)
+    return state
 
 
 class Run:
@@ -83,6 +112,8 @@ class Run:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        logger.info("training on %s (--device %s)", self.device, cfg.device)
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         dtype = getattr(torch, cfg.dtype)
@@ -100,12 +131,37 @@ class Run:
         self.draft, self.params = self._make_draft()
         if init is not None:
             self._load_init(init)
+        self._place()
         self.kd_caches = self._kd_caches()
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self.history: list[dict] = []
         self.validator = Validator(self, cfg)
+
+    def _place(self) -> None:
+        """Everything a step touches onto the run's device (built on the CPU first, as before): the target (whose
+        embedding, rotary and, unless trained, norm and head the draft shares), the KD targets, the draft's layers,
+        its own norm/head copies and head rows, and the vocabulary maps. Parameters keep their identity (the
+        optimiser is made after)."""
+        dev = self.device
+        if dev.type == "cpu":
+            return
+        self.target.model.to(dev)
+        for model in self.kd_models:
+            model.to(dev)
+        self.draft.to(dev)
+        # The cut was made on the CPU, where the draft's (copied) layers attend through core/attention.py's grouped
+        # matmuls; elsewhere they attend as the target's do (SDPA: the fused kernels, no host syncs per block).
+        for layer in self.draft.layers:
+            attn_cfg = getattr(getattr(layer, "self_attn", None), "config", None)
+            if attn_cfg is not None:
+                attn_cfg._attn_implementation = self.target.model.config._attn_implementation
+        if self.head_rows is not None:
+            self.draft.parts.norm.to(dev)
+            self.draft.parts.head.to(dev)
+            self.head_rows.data = self.head_rows.data.to(dev)
+        self.vocab.to(dev)
 
     def _kd_caches(self) -> list[TopKCache]:
         """With --kd-cache, each KD target's top-k logits over these rows, computed once (resumable) and loaded."""
@@ -119,7 +175,7 @@ class Run:
             if cache.missing():
                 started = time.perf_counter()
                 builder = model if dtype == cfg.dtype else load_model(name, dtype=getattr(torch, dtype)).model
-                cache.build(builder)
+                cache.build(builder.to(self.device))
                 logger.info("KD cache for %s built in %.0f s", name, time.perf_counter() - started)
             caches.append(cache.load())
         return caches
@@ -183,13 +239,14 @@ class Run:
         out = exit_logits(self.draft.parts, self.draft.layers, batch, exits, self.vocab, self.head_rows)
         kd = None
         if self.cfg.kd_weight > 0:
-            kd = ([c.lookup(batch, self.vocab) for c in self.kd_caches] if self.kd_caches
+            kd = ([c.lookup(batch, self.vocab, self.device) for c in self.kd_caches] if self.kd_caches
                   else [target_logits(m, batch, self.vocab) for m in self.kd_models])
         weights = self.cfg.exit_weights or [1.0] * len(exits)
         return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature, self.cfg.exit_distill)
 
-    def train(self, progress: bool = True, until: int | None = None) -> list[dict]:
-        """Train to cfg.steps (or stop early at `until`, checkpointed, as an interruption would)."""
+    def train(self, progress: bool = True, until: int | None = None, deadline: float | None = None) -> list[dict]:
+        """Train to cfg.steps (or stop early at `until`, or after the step that ends past `deadline`, a
+        time.monotonic() value; checkpointed either way, as an interruption would be)."""
         cfg = self.cfg
         stop = min(until or cfg.steps, cfg.steps)
         bar = tqdm(total=cfg.steps, initial=self.step, desc="SoFT", disable=not progress, dynamic_ncols=True)
@@ -214,8 +271,12 @@ class Run:
             self.last_losses = per_exit
             if self.step % cfg.val_every == 0 or self.step == cfg.steps:
                 self.record(self.validator.run())
-            if self.step % cfg.ckpt_every == 0 or self.step in (cfg.steps, stop):
+            late = deadline is not None and time.monotonic() >= deadline
+            if self.step % cfg.ckpt_every == 0 or self.step in (cfg.steps, stop) or late:
                 self.save_checkpoint()
+            if late and self.step < stop:
+                logger.info("time limit reached: stopped at step %d of %d (checkpointed)", self.step, cfg.steps)
+                break
         bar.close()
         return self.history
 
@@ -235,22 +296,26 @@ class Run:
         return state
 
     def save_checkpoint(self) -> None:
+        """Atomically, with CPU tensors only (model, optimiser state, vocabulary): it resumes on any device."""
         tmp = self.out / (CKPT + ".tmp")
         torch.save({"cfg": asdict(self.cfg), "step": self.step, "tokens": self.tokens, "wall": self.wall,
-                    "history": self.history, "model": self.trainable_state(), "opt": self.opt.state_dict(),
-                    "sched": self.sched.state_dict(), "vocab_ids": self.vocab.ids,
-                    "rng": torch.get_rng_state()}, tmp)
+                    "history": self.history, "model": to_cpu(self.trainable_state()),
+                    "opt": to_cpu(self.opt.state_dict()), "sched": self.sched.state_dict(),
+                    "vocab_ids": to_cpu(self.vocab.ids), "rng": torch.get_rng_state()}, tmp)
         tmp.replace(self.out / CKPT)
 
     def resume(self) -> bool:
         path = self.out / CKPT
         if not path.exists():
             return False
-        ck = torch.load(path, weights_only=False)
-        # Fields added after a checkpoint was written count as equal when this run leaves them at their default.
+        # Onto the CPU first, whichever device wrote it; load_state_dict then copies each tensor to its parameter's
+        # device (the optimiser's state too, as torch's Optimizer.load_state_dict casts it to its parameter).
+        ck = torch.load(path, weights_only=False, map_location="cpu")
+        # Fields added after a checkpoint was written count as equal when this run leaves them at their default;
+        # RESUME_MAY_CHANGE (steps, device, checkpoint interval) may differ.
         defaults = asdict(SoftConfig())
         current = {k: v for k, v in asdict(self.cfg).items() if k in ck["cfg"] or v != defaults[k]}
-        if ck["cfg"] != {**current, "steps": ck["cfg"]["steps"]}:
+        if _identity(ck["cfg"]) != _identity(current):
             raise ValueError(f"{path} was written by a different configuration; use another --out or the same flags")
         self.draft.layers.load_state_dict(ck["model"]["layers"])
         if self.head_rows is not None:
@@ -288,9 +353,15 @@ class Run:
         return manifest
 
 
+def _identity(cfg: dict) -> dict:
+    """What must match for a checkpoint to resume: the configuration less RESUME_MAY_CHANGE."""
+    return {k: v for k, v in cfg.items() if k not in RESUME_MAY_CHANGE}
+
+
 def export_checkpoint(run_dir: Path, save_dir: Path, command: str, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Write the draft directory of a run's latest checkpoint without loading its data (what --save writes)."""
-    ck = torch.load(Path(run_dir) / CKPT, weights_only=False)
+    """Write the draft directory of a run's latest checkpoint without loading its data (what --save writes), on the
+    CPU whichever device wrote the checkpoint."""
+    ck = torch.load(Path(run_dir) / CKPT, weights_only=False, map_location="cpu")
     cfg = SoftConfig(**ck["cfg"])
     target = load_model(cfg.target, dtype=getattr(torch, cfg.dtype))
     run = Run.__new__(Run)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .data import Packed, load_examples, pack
-from .forward import SubVocab, exit_logits, simulate_mat, target_logits
+from .forward import SubVocab, exit_logits, module_device, simulate_mat, target_logits
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,12 @@ class PathPreds:
 @torch.no_grad()
 def path_predictions(parts, layers, rows: list[Packed], exits: list[int], vocab: SubVocab,
                      head_weight=None, labels_from=None) -> list[PathPreds]:
-    """Per document, every exit's greedy token and max-probability at each labelled position."""
+    """Per document, every exit's greedy token and max-probability at each labelled position (computed on the
+    layers' device, returned on the CPU)."""
     out: list[PathPreds] = []
+    device = module_device(parts.embed)
     for row in rows:
+        row = row.to(device)
         res = exit_logits(parts, layers, row, exits, vocab, head_weight)
         labels = row.labels[res.select] if labels_from is None else labels_from(row)
         docs = row.doc[res.select]
@@ -47,6 +50,7 @@ def path_predictions(parts, layers, rows: list[Packed], exits: list[int], vocab:
         conf = torch.stack([p.amax(-1) for p in probs])
         arg = torch.stack([vocab.to_full(p.argmax(-1)) for p in probs])
         top = torch.stack([vocab.to_full(p.topk(min(TOPK, p.shape[-1]), -1).indices) for p in probs])
+        labels, docs, conf, arg, top = (t.cpu() for t in (labels, docs, conf, arg, top))
         for d in docs.unique(sorted=True).tolist():
             sel = docs == d
             out.append(PathPreds(labels[sel], arg[:, sel], conf[:, sel], top[:, sel]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -428,3 +429,159 @@ def test_kd_cache_built_in_bfloat16_is_close_and_kept_apart(tmp_path, tiny_llama
     with pytest.raises(ValueError, match="other rows or settings"):
         Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "r3"), kd_cache=str(tmp_path / "c32"),
                      kd_cache_dtype="bfloat16", **kw))
+
+
+# --- devices: --device auto|cpu|cuda; checkpoints hold CPU tensors and resume on any device -------------------------
+
+
+def cpu_tensors_only(state) -> bool:
+    if isinstance(state, torch.Tensor):
+        return state.device.type == "cpu"
+    if isinstance(state, dict):
+        return all(cpu_tensors_only(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(cpu_tensors_only(v) for v in state)
+    return True
+
+
+def leaves(state) -> list:
+    if isinstance(state, dict):
+        return [x for k in sorted(state, key=str) for x in leaves(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [x for v in state for x in leaves(v)]
+    return [state]
+
+
+def device_kw(tmp_path: Path, tiny_llama_dir: Path) -> dict:
+    """Every path a step can take: two KD targets from a top-k cache, own norm/head rows, a reduced vocabulary."""
+    other = tmp_path / "other"
+    if not other.exists():
+        save_tiny_llama(other, seed=1)
+    return dict(kd_targets=[str(tiny_llama_dir), str(other)], kd_weight=1.0, kd_temperature=2.0,
+                kd_cache=str(tmp_path / "kdcache"), kd_topk=16, vocab_size=64, train_norm_head=True,
+                steps=4, val_every=2, ckpt_every=2)
+
+
+def test_device_cpu_is_the_default_on_a_cpu_machine(tmp_path, tiny_llama_dir, monkeypatch):
+    """`auto` on a machine without a GPU and an explicit `cpu` are the same run: losses, metrics, weights, state."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kw = device_kw(tmp_path, tiny_llama_dir)
+    auto = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "auto"), **kw))
+    cpu = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "cpu"), device="cpu", **kw))
+    assert auto.cfg.device == "auto" and auto.device == cpu.device == torch.device("cpu")
+    for run in (auto, cpu):
+        run.train(progress=False)
+    assert auto.history == cpu.history and len(auto.history) == 3  # steps 0, 2 and 4, losses and metrics exactly
+    for a, b in zip(auto.params, cpu.params):
+        assert torch.equal(a, b)
+    ck_auto, ck_cpu = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("auto", "cpu"))
+    assert ck_cpu["cfg"]["device"] == "cpu" and ck_auto["cfg"]["device"] == "auto"
+    for key in ("opt", "model", "vocab_ids"):
+        flat_a, flat_b = leaves(ck_auto[key]), leaves(ck_cpu[key])
+        assert len(flat_a) == len(flat_b) and all(
+            torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(flat_a, flat_b))
+
+
+def test_checkpoint_resumes_on_another_device(tmp_path, tiny_llama_dir, monkeypatch):
+    """A checkpoint holds CPU tensors only and loads with map_location="cpu"; one written on a GPU machine (its cfg
+    says cuda, and it checkpointed at another interval) resumes here to the same weights as an uninterrupted run."""
+    kw = device_kw(tmp_path, tiny_llama_dir) | dict(steps=6, val_every=1000, ckpt_every=1000)
+    straight = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "straight"), device="cpu", **kw))
+    straight.train(progress=False)
+    first = Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cpu", **kw))
+    first.train(progress=False, until=3)
+    path = tmp_path / "run" / "checkpoint.pt"
+    ck = torch.load(path, weights_only=False)
+    assert cpu_tensors_only(ck) and ck["opt"]["state"]  # the optimiser's moments travel too
+    ck["cfg"].update(device="cuda", ckpt_every=25)  # as the GPU machine wrote it
+    torch.save(ck, path)
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("map_location")) or real_load(*a, **k))
+    second = Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cpu", **kw))
+    assert second.resume() and second.step == 3 and "cpu" in loads
+    second.train(progress=False)
+    for a, b in zip(straight.params, second.params):
+        torch.testing.assert_close(a, b)
+    ck["cfg"]["lr"] = 1.0  # what a step computes may not change
+    torch.save(ck, path)
+    with pytest.raises(ValueError, match="different configuration"):
+        Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cpu", **kw)).resume()
+
+
+def test_unknown_or_missing_device_is_refused(tmp_path, tiny_llama_dir, monkeypatch):
+    from s2d_ray.train.soft import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no GPU"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match="device must be one of"):
+        resolve_device("tpu")
+
+
+def test_train_draft_cli_device_and_time_limit(tmp_path, tiny_llama_dir, capsys):
+    """--device reaches the config; --time-limit 0 stops after the first step, checkpointed, and --save still writes."""
+    from s2d_ray.cli import main
+
+    data = write_rows(tmp_path / "d.jsonl")
+    rc = main(["train-draft", "--target", str(tiny_llama_dir), "--out", str(tmp_path / "r"), "--data", str(data),
+               "--save", str(tmp_path / "draft"), "--layers", "2", "--exits", "1,2", "--seq-len", "64",
+               "--batch-size", "4", "--steps", "5", "--val-every", "1000", "--ckpt-every", "1000",
+               "--val-examples", "4", "--device", "cpu", "--time-limit", "0", "--no-progress"])
+    assert rc == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] == 1
+    ck = torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 1 and ck["cfg"]["device"] == "cpu" and (tmp_path / "draft" / "draft.safetensors").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_run_trains_and_its_checkpoint_resumes_on_the_cpu(tmp_path, tiny_llama_dir):
+    """On the GPU: every tensor a step touches is there, the KD cache is built there but stored on the CPU, losses
+    are finite and close to the CPU's; the checkpoint resumes on the CPU and continues."""
+    kw = device_kw(tmp_path, tiny_llama_dir) | dict(steps=6, val_every=3, ckpt_every=1000)
+    gpu = Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cuda", **kw))
+    assert gpu.device.type == "cuda" and all(p.device.type == "cuda" for p in gpu.params)
+    assert all(c.values.device.type == "cpu" for c in gpu.kd_caches)
+    for p in sorted((tmp_path / "kdcache").rglob("part-*.pt")):
+        assert cpu_tensors_only(torch.load(p))
+    cpu = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "cpu"), device="cpu", **kw))  # the same cache
+    with torch.no_grad():
+        loss_gpu, loss_cpu = gpu.loss_on(gpu.batch_at(0))[0], cpu.loss_on(cpu.batch_at(0))[0]
+    assert loss_gpu.device.type == "cuda" and torch.isfinite(loss_gpu)
+    torch.testing.assert_close(loss_gpu.cpu(), loss_cpu, atol=1e-3, rtol=1e-3)
+    gpu.train(progress=False, until=4)
+    assert all(math.isfinite(x) for x in gpu.last_losses) and "on_path" not in gpu.history[-1]
+    assert gpu.history[-1]["teacher_forced"]["tokens"] > 0
+    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 4 and cpu_tensors_only(ck)
+    back = Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cpu", **kw))
+    assert back.resume() and back.step == 4
+    for a, b in zip(back.params, gpu.params):
+        torch.testing.assert_close(a, b.cpu())
+    back.train(progress=False)
+    assert back.step == 6 and all(math.isfinite(x) for x in back.last_losses)
+    gpu.save_draft(tmp_path / "gpu-draft", "cmd")  # export straight from the GPU run
+    assert (tmp_path / "gpu-draft" / "draft.safetensors").exists()
+
+
+def test_kd_cache_built_several_chunks_per_forward_has_the_same_parts(tmp_path, tiny_llama_dir):
+    """What a GPU does (16 chunks a forward) writes the parts one chunk a forward writes, chunk by chunk."""
+    from s2d_ray.models import load_model
+    from s2d_ray.train.kdcache import TopKCache
+
+    run = Run(tiny_cfg(tmp_path, tiny_llama_dir, steps=1))
+    model = load_model(str(tiny_llama_dir)).model
+    one = TopKCache(tmp_path / "one", "t", run.rows, 8, "float32")
+    many = TopKCache(tmp_path / "many", "t", run.rows, 8, "float32")
+    one.build(model, progress=False)
+    (many.directory / "part-000002.pt").parent.mkdir(parents=True)
+    many.missing()
+    torch.save(torch.load(one._part(2)), many._part(2))  # a resumed build: chunks that are done are skipped
+    assert many.build(model, progress=False, chunks_per_forward=3) == len(list(one.directory.glob("part-*"))) - 1
+    for c in one._chunks():
+        a, b = torch.load(one._part(c)), torch.load(many._part(c))
+        assert torch.equal(a["counts"], b["counts"]) and torch.equal(a["ids"], b["ids"])
+        torch.testing.assert_close(a["values"], b["values"], atol=1e-3, rtol=1e-3)
+    one.load(), many.load()
+    batch = run.batch_at(0)
+    assert torch.equal(one.lookup(batch, run.vocab).index, many.lookup(batch, run.vocab).index)
