@@ -8,7 +8,9 @@
 # ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
 # instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6),
-# KD_CACHE_DTYPE (bfloat16: builds the cache ~2x faster, the generated paths' dtype), PIDFILE (append this
+# KD_CACHE_DTYPE (bfloat16: builds the cache ~2x faster, the generated paths' dtype), DEVICE (auto: cuda when torch
+# sees a GPU), CKPT_EVERY (25), TIME_LIMIT (seconds: train stops checkpointed and exports; see
+# scripts/gpu_draft_data.sh train; device and checkpoint interval may change on resume), PIDFILE (append this
 # script's pid: started with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as
 # /work/notes/quiet.sh does).
 # Dry run with tiny random models (seconds): see docs/TRAINING.md, "Scaling up".
@@ -22,7 +24,7 @@ read -r -a targets <<< "${TARGETS:-smollm2-135m-instruct smollm2-135m-gsm8k}"
 init=${INIT-s2d_ray/assets/drafts/smollm2-135m-s2d}
 data=(); [[ -n ${DATA:-} ]] && data=(--data "$DATA")
 num=(); [[ -n ${NUM:-} ]] && num=(--num "$NUM")
-s2d() { PYTHONPATH="$PWD" "$py" -m s2d_ray.cli -v "$@"; }
+s2d() { PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m s2d_ray.cli -v "$@"; }
 mkdir -p "$run/heldout"
 if [[ $what == gen || $what == all ]]; then
   s2d self-distill --target "${targets[@]}" --out "$run/sd-multi" "${data[@]}" "${num[@]}" --batch-size 32 --max-new-tokens 256 \
@@ -38,11 +40,12 @@ if [[ $what == train || $what == all ]]; then
   resume=(); [[ -f $run/stage5/checkpoint.pt ]] && resume=(--resume)
   from=(); [[ -n $init ]] && from=(--init "$init")
   paths=(); for t in "${targets[@]}"; do paths+=("$run/heldout/$(basename "$t").jsonl"); done
+  limit=(); [[ -n ${TIME_LIMIT:-} ]] && limit=(--time-limit "$TIME_LIMIT")
   s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$run/drafts/stage5" \
     --data "$run/sd-multi" "${from[@]}" --layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}" \
     --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
     --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-bfloat16}" --kd-topk 32 --seq-len 256 \
     --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 \
-    --warmup 0.02 --val-every 500 --ckpt-every 25 --val-examples 47 --seed 5 --threads "$threads" --no-progress \
-    --onpath-data "${paths[@]}" "${resume[@]}"
+    --warmup 0.02 --val-every 500 --ckpt-every "${CKPT_EVERY:-25}" --val-examples 47 --seed 5 --threads "$threads" \
+    --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}" "${resume[@]}" "${limit[@]}"
 fi
