@@ -10,6 +10,6 @@ def one(p):
                                                       {"Content-Type": "application/json"}), timeout=300)
     return json.loads(r.read())["usage"]["completion_tokens"]
 t = time.perf_counter()
-with ThreadPoolExecutor(8) as ex:
+with ThreadPoolExecutor(int(sys.argv[3]) if len(sys.argv) > 3 else 8) as ex:
     n = sum(ex.map(one, prompts))
 print("tokens", n, "s", round(time.perf_counter() - t, 1), "tok/s", round(n / (time.perf_counter() - t), 1))
