@@ -2,7 +2,7 @@
 # usage: faults.sh OUT [yaml]  (under quiet.sh; ~4 min)
 cd /work/main
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1
-O=$1; Y=${2:-deployments/local.yaml}; mkdir -p $O; L=/work/main/bench_results/serve-s13/spy/load.py
+O=$1; Y=${2:-deployments/local.yaml}; mkdir -p $O; L=/work/main/bench_results/serve-s12/spy/plainload.py
 timeout 900 .venv/bin/serve run $Y > $O/serve.log 2>&1 &
 pid=$!
 for i in $(seq 1 150); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && break; sleep 2; done

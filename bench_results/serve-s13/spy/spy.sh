@@ -2,7 +2,7 @@
 # then the in-process twin under py-spy. Usage: bash spy.sh (from anywhere; ~6 min)
 cd /work/main
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1
-O=/work/main/bench_results/serve-s13/spy; L=$O/load.py
+O=/work/main/bench_results/serve-s13/spy; L=/work/main/bench_results/serve-s12/spy/plainload.py  # plainload.py REPEAT SPECULATE(0/1) [CONCURRENCY=8]
 timeout 900 .venv/bin/serve run deployments/local.yaml > $O/serve.log 2>&1 &
 pid=$!
 for i in $(seq 1 150); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && break; sleep 2; done
