@@ -108,8 +108,9 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
         "ar`, every request `speculate: false`, or drafting switched off for the round by the load-aware budget): "
         "each call costs a Ray round trip (~7 ms on the reference CPU), so a "
         "plain row takes up to this many of the target's own argmax steps per call. Same tokens; they stream in "
-        "bursts, and a new request waits up to this many steps to join. 1: one step per call. Tensor-parallel "
-        "targets always take one (their ranks step in lockstep)."
+        "bursts, and a new request waits up to this many steps to join (the round that fills its prompt is one pass, "
+        "so its first token does not wait). 1: one step per call. Tensor-parallel targets always take one (their "
+        "ranks step in lockstep)."
     )
 
     @model_validator(mode="after")
