@@ -151,6 +151,11 @@ class SpecEngine:
         for seq in live:
             k = seq.k if plan is None else plan.depth
             k = max(0, min(k, self._remaining(seq))) if self.drafter is not None and seq.req.speculate else 0
+            if not seq.generated:
+                # The round that fills a prompt does not draft for it (lookup candidates only, no draft forward): its
+                # first token streams after the target's prefill alone, as with plain decoding; the draft fills the
+                # prompt in the row's next drafting round.
+                k = 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
                                        tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
                                        frontier=frontier))

@@ -131,6 +131,33 @@ def test_greedy_trees_equal_target_greedy(target, width, lookup, batch):
     assert 0 < accepted < drafted
 
 
+def test_a_round_that_fills_a_prompt_does_not_draft_for_it(target):
+    """TTFT: a new row's first round verifies its prompt with lookup candidates only (the draft forward waits for its
+    next round, which fills the draft's prompt); a row already decoding beside it drafts as before; greedy output is
+    the target's."""
+    prompts = random_prompts(1, seed=21) + repetitive_prompts(1, seed=21)
+    ref = [reference_greedy(target, p, 20) for p in prompts]
+    engine = tree_engine(target, 3, True)
+    asked: list[set[str]] = []
+    draft = engine.drafter.draft
+    propose = draft.propose
+    draft.propose = lambda reqs: (asked.append({r.seq_id for r in reqs}), propose(reqs))[1]
+    got = {"a": [], "b": []}
+    engine.add_request(GenerationRequest("a", prompts[0], 20))
+    for o in engine.step():
+        got[o.seq_id] += o.new_tokens
+    assert asked == []  # a's prompt round: no draft forward
+    engine.add_request(GenerationRequest("b", prompts[1], 20))
+    for o in engine.step():
+        got[o.seq_id] += o.new_tokens
+    assert asked == [{"a"}]  # b fills its prompt; a (decoding) drafts
+    while engine.has_unfinished:
+        for o in engine.step():
+            got[o.seq_id] += o.new_tokens
+    assert got == {"a": ref[0], "b": ref[1]}
+    assert any("b" in a for a in asked)  # b drafts once its prompt is in
+
+
 def test_trees_accept_siblings_and_lookup(target):
     """The fixture must exercise non-spine paths, or the compaction and tree tests prove little."""
     prompts = repetitive_prompts(4, seed=9) + random_prompts(4, seed=9)
