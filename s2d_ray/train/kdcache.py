@@ -88,11 +88,14 @@ class TopKCache:
         for g in range(0, len(todo), chunks_per_forward):
             group = todo[g : g + chunks_per_forward]
             chunk_rows = [self.rows[c * self.chunk_rows : (c + 1) * self.chunk_rows] for c in group]
-            logits = target_logits(model, stack_rows([r for rows in chunk_rows for r in rows]), full)
+            batch = stack_rows([r for rows in chunk_rows for r in rows])
+            logits = target_logits(model, batch, full)
             top = logits.topk(min(self.k, logits.shape[-1]), -1)
-            start = 0
+            row_counts = (batch.labels != -100).sum(-1)  # labelled positions per row, in the logits' order
+            start, first = 0, 0
             for c, rows in zip(group, chunk_rows):
-                counts = (stack_rows(rows).labels != -100).sum(-1)
+                counts = row_counts[first : first + len(rows)].clone()  # its own storage: a part saves only its rows
+                first += len(rows)
                 end = start + int(counts.sum())
                 values, ids = top.values[start:end], top.indices[start:end]
                 start = end
