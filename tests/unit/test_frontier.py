@@ -296,7 +296,7 @@ def test_frontier_tree_sampling_follows_target_distribution():
     """End to end with sampling: frontier draft tree (depth 2) + lookup, tree verification, commit: output tokens 2-3
     of 3-token outputs (the first drafting round's; the prompt's round verifies lookup nodes only) follow the target's
     joint distribution."""
-    from test_sampling import exact_second_and_third, tv
+    from test_sampling import exact_second_and_third, pair_histogram, tv
 
     target = tiny_target(seed=5, vocab_size=8, scale=1.5)
     prompt = [3, 5, 3, 5, 3]
@@ -306,15 +306,10 @@ def test_frontier_tree_sampling_follows_target_distribution():
     shape = TreeShape(width=3, lookup=True, max_nodes=10, frontier=3)
     engine = SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
                         budget=SpeculationBudget(shape, None, 4))
-    n = 6000
-    reqs = [GenerationRequest(f"s{i}", prompt, 3, SamplingParams(1.0, 0, 1.0, i)) for i in range(n)]
-    counts = torch.zeros(8, 8, dtype=torch.float64)
-    accepted_deep = 0
-    for res in engine.generate(reqs):
-        counts[res.token_ids[1], res.token_ids[2]] += 1
-        accepted_deep += len(res.metrics["num_accepted_tokens_per_pos"]) >= 2
-    err = tv(counts / n, exact)
+    hist, results = pair_histogram(engine, 8, prompt, params, 6000)
+    err = tv(hist, exact)
     assert err < 0.06, err
+    accepted_deep = sum(len(res.metrics["num_accepted_tokens_per_pos"]) >= 2 for res in results)
     assert accepted_deep > 0  # depth-2 nodes (the frontier's) were accepted, so they were tested
 
 

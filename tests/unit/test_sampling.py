@@ -115,16 +115,20 @@ def exact_second_and_third(model, prompt: list[int], params: SamplingParams) -> 
     return sum(p1[t] * exact_two_token_distribution(model, prompt + [t], params) for t in range(p1.shape[0]))
 
 
-def engine_pair_histogram(target, drafter, sampler, prompt, params, n) -> torch.Tensor:
-    """Empirical joint of output tokens 2 and 3 over n seeded requests (each decodes 3 tokens)."""
-    engine = SpecEngine(TargetVerifier(target), drafter, FixedK(2), sampler=sampler)
+def pair_histogram(engine: SpecEngine, vocab: int, prompt, params, n) -> tuple[torch.Tensor, list]:
+    """Empirical joint of output tokens 2 and 3 over n seeded requests (each decodes 3 tokens), and the results."""
     reqs = [GenerationRequest(f"s{i}", prompt, 3, SamplingParams(params.temperature, params.top_k, params.top_p, i))
             for i in range(n)]
-    vocab = target.config.vocab_size
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for res in engine.generate(reqs):
+    results = engine.generate(reqs)
+    for res in results:
         counts[res.token_ids[1], res.token_ids[2]] += 1
-    return counts / n
+    return counts / n, results
+
+
+def engine_pair_histogram(target, drafter, sampler, prompt, params, n) -> torch.Tensor:
+    engine = SpecEngine(TargetVerifier(target), drafter, FixedK(2), sampler=sampler)
+    return pair_histogram(engine, target.config.vocab_size, prompt, params, n)[0]
 
 
 @pytest.mark.parametrize("sampler,ok", [(rejection_sample, True), (accept_by_ratio_q_over_p, False)])

@@ -280,7 +280,7 @@ def test_wrong_sibling_rule_fails_the_same_check():
 def test_engine_tree_sampling_follows_target_distribution():
     """End to end: draft tree + lookup, batched tree verification, commit: output tokens 2-3 (the first drafting
     round's; the prompt's round verifies lookup nodes only) ~ the target's joint."""
-    from test_sampling import exact_second_and_third, tv
+    from test_sampling import exact_second_and_third, pair_histogram, tv
 
     target = tiny_target(seed=5, vocab_size=8, scale=1.5)
     prompt = [3, 5, 3, 5, 3]  # lookup proposes [5, 3, ...]
@@ -289,12 +289,7 @@ def test_engine_tree_sampling_follows_target_distribution():
     draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
     engine = SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
                         budget=SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=10), None, 4))
-    n = 6000
-    reqs = [GenerationRequest(f"s{i}", prompt, 3, SamplingParams(1.0, 0, 1.0, i)) for i in range(n)]
-    counts = torch.zeros(8, 8, dtype=torch.float64)
-    for res in engine.generate(reqs):
-        counts[res.token_ids[1], res.token_ids[2]] += 1
-    err = tv(counts / n, exact)
+    err = tv(pair_histogram(engine, 8, prompt, params, 6000)[0], exact)
     assert err < 0.06, err
 
 
