@@ -49,11 +49,12 @@ class ProbeActor:
     def __init__(self) -> None:
         from s2d_ray.serve.replica import ModelThread
 
-        self.thread = ModelThread(1)
-        self.probe = self.thread._pool.submit(Probe).result()
+        self.thread, self.probe = ModelThread(1), None
 
-    def passes(self) -> dict:
-        return self.thread._pool.submit(self.probe.passes).result()
+    async def passes(self) -> dict:
+        if self.probe is None:  # built on the model thread, as a replica loads its model
+            self.probe = await self.thread.run(Probe)
+        return await self.thread.run(self.probe.passes)
 
 
 if __name__ == "__main__":
