@@ -292,25 +292,60 @@ def test_next_round_after_commit_equals_a_fresh_drafter(target):
 
 
 # --- sampling ------------------------------------------------------------------------------------------------------
+def first_drafted_trees(engine: SpecEngine, prompt_len: int) -> dict:
+    """Records each sequence's tree as verified (after shaping) in the round that drafts right after its first token."""
+    trees, shape = {}, engine.shape_trees
+
+    def recording(live, proposals):
+        out = shape(live, proposals)
+        for seq, prop in zip(live, out):
+            if len(seq.tokens) == prompt_len + 1 and prop.tokens:
+                trees.setdefault(seq.req.seq_id, prop)
+        return out
+
+    engine.shape_trees = recording
+    return trees
+
+
+def accepted_off_spine(trees: dict, results) -> int:
+    """Outputs whose tokens 2-3 are an off-spine depth-2 path of that round's tree: accepted, since a rejected
+    candidate's token is removed from the residual, so no other draw can emit it there."""
+    hits = 0
+    for res in results:
+        prop = trees.get(res.seq_id)
+        if prop is not None:
+            pairs = [[p, n] for n, p in enumerate(prop.parents) if p >= 0 and prop.parents[p] == -1]
+            hits += any(off_spine_depth(prop.parents, path) and [prop.tokens[n] for n in path] == res.token_ids[1:3]
+                        for path in pairs)
+    return hits
+
+
 def test_frontier_tree_sampling_follows_target_distribution():
     """End to end with sampling: frontier draft tree (depth 2) + lookup, tree verification, commit: output tokens 2-3
-    of 3-token outputs (the first drafting round's; the prompt's round verifies lookup nodes only) follow the target's
-    joint distribution."""
+    (the first drafting round's; the prompt's round verifies lookup nodes only) follow the target's joint
+    distribution, and some of them came from depth-2 nodes below a depth-1 sibling (what only a frontier proposes)."""
     from test_sampling import exact_second_and_third, pair_histogram, tv
 
     target = tiny_target(seed=5, vocab_size=8, scale=1.5)
     prompt = [3, 5, 3, 5, 3]
     params = SamplingParams(temperature=1.0)
     exact = exact_second_and_third(target, prompt, params)
-    draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
-    shape = TreeShape(width=3, lookup=True, max_nodes=10, frontier=3)
-    engine = SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
-                        budget=SpeculationBudget(shape, None, 4))
+
+    def engine_of(frontier: int) -> SpecEngine:
+        draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
+        shape = TreeShape(width=3, lookup=True, max_nodes=10, frontier=frontier)
+        return SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
+                          budget=SpeculationBudget(shape, None, 4))
+
+    engine = engine_of(3)
+    trees = first_drafted_trees(engine, len(prompt))
     hist, results = pair_histogram(engine, 8, prompt, params, 6000)
     err = tv(hist, exact)
     assert err < 0.06, err
-    accepted_deep = sum(len(res.metrics["num_accepted_tokens_per_pos"]) >= 2 for res in results)
-    assert accepted_deep > 0  # depth-2 nodes (the frontier's) were accepted, so they were tested
+    assert accepted_off_spine(trees, results) > 0  # the frontier's own nodes were accepted, so they were tested
+    spine_only = engine_of(1)  # the control: a top-1 spine's siblings are leaves, so the count cannot be met there
+    trees = first_drafted_trees(spine_only, len(prompt))
+    assert accepted_off_spine(trees, pair_histogram(spine_only, 8, prompt, params, 500)[1]) == 0
 
 
 def test_a_lookup_chain_merged_into_draft_nodes_keeps_its_value():
