@@ -21,6 +21,7 @@ from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
 from .core.target import TargetVerifier, Verifier
 from .dtypes import resolve_dtype
 from .errors import ConfigError, ModelLoadError
+from .machines import for_machine, machine_name
 from .models import LoadedModel, check_same_vocabulary, load_model
 
 logger = logging.getLogger(__name__)
@@ -150,9 +151,10 @@ def load_profile(cfg: EngineConfig) -> dict | None:
     if path is None:
         return None
     try:
-        return json.loads(path.read_text())
+        profile = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"calibration profile {path} is not readable JSON: {exc}") from exc
+    return for_machine(profile, machine_name(default_device().type), str(path))  # this machine's costs
 
 
 def effective_spec(cfg: EngineConfig, profile: dict | None) -> SpecConfig:

@@ -6,17 +6,8 @@ import datetime as dt
 import os
 import platform
 import sys
-from pathlib import Path
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from ..machines import cpu_model
 
 
 def machine_info() -> dict:

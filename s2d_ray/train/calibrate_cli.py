@@ -13,6 +13,7 @@ import torch
 from ..build import build_draft, load_profile, load_target, set_threads
 from ..commands.engine_args import add_engine_args, engine_config
 from ..config import DATA_DIR
+from ..machines import machine_name, store_costs
 from .calibrate import DRAFT_ROW_BATCH, GRID_BATCHES, GRID_POSITIONS, Costs, measure_costs, search
 from .data import load_examples, pack
 from .forward import SubVocab
@@ -67,7 +68,8 @@ def measure_profile_costs(cfg, args: argparse.Namespace, target=None, draft=None
                        "costs_measured": {"context": args.context, "repeats": args.repeats, "statistic": "median",
                                       "batches": list(GRID_BATCHES), "positions": list(GRID_POSITIONS),
                                       "draft_row_batch": DRAFT_ROW_BATCH, "load_average": list(os.getloadavg()),
-                                      "threads": torch.get_num_threads(), "wide_threads": cfg.wide_threads}}
+                                      "threads": torch.get_num_threads(), "wide_threads": cfg.wide_threads,
+                                      "machine": machine_name(next(target.model.parameters()).device.type)}}
 
 
 def refresh_costs(args: argparse.Namespace) -> int:
@@ -80,10 +82,13 @@ def refresh_costs(args: argparse.Namespace) -> int:
     profile = json.loads(path.read_text())
     dtype = profile.get("dtype") or profile.get("measured_with", "float32").split(",")[0]
     args.target, args.draft, args.dtype, args.calibration = profile["target"], profile["draft"], dtype, "off"
-    profile.update(measure_profile_costs(engine_config(args), args)[1])
+    fields = measure_profile_costs(engine_config(args), args)[1]
+    profile = store_costs(profile, fields["costs_ms"], fields["costs_measured"])  # beside another machine's costs
+    profile["dtype"] = fields["dtype"]
     out = Path(args.out) if args.out else path
     out.write_text(json.dumps(profile, indent=2))
-    print(json.dumps({"profile": str(out), "costs_ms": profile["costs_ms"]}))
+    print(json.dumps({"profile": str(out), "machine": fields["costs_measured"]["machine"],
+                      "costs_ms": fields["costs_ms"]}))
     return 0
 
 
