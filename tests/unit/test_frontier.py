@@ -19,7 +19,7 @@ from s2d_ray.core.stack import PendingTree
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import DraftRequest, SamplingParams
 from test_engine_exact import reference_greedy, run
-from test_trees import repetitive_prompts
+from test_trees import repetitive_prompts, sampling_tree_engine
 
 MIXED = [0.07, 0.09, 0.0]  # thresholds that send the fixture's nodes to every exit (lazy fill happens)
 
@@ -330,20 +330,13 @@ def test_frontier_tree_sampling_follows_target_distribution():
     prompt = [3, 5, 3, 5, 3]
     params = SamplingParams(temperature=1.0)
     exact = exact_second_and_third(target, prompt, params)
-
-    def engine_of(frontier: int) -> SpecEngine:
-        draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
-        shape = TreeShape(width=3, lookup=True, max_nodes=10, frontier=frontier)
-        return SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
-                          budget=SpeculationBudget(shape, None, 4))
-
-    engine = engine_of(3)
+    engine = sampling_tree_engine(target, frontier=3)
     trees = first_drafted_trees(engine, len(prompt))
     hist, results = pair_histogram(engine, 8, prompt, params, 6000)
     err = tv(hist, exact)
     assert err < 0.06, err
     assert accepted_off_spine(trees, results) > 0  # the frontier's own nodes were accepted, so they were tested
-    spine_only = engine_of(1)  # the control: a top-1 spine's siblings are leaves, so the count cannot be met there
+    spine_only = sampling_tree_engine(target)  # the control: a top-1 spine's siblings are leaves: the count stays 0
     trees = first_drafted_trees(spine_only, len(prompt))
     assert accepted_off_spine(trees, pair_histogram(spine_only, 8, prompt, params, 500)[1]) == 0
 

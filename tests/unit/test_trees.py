@@ -277,6 +277,15 @@ def test_wrong_sibling_rule_fails_the_same_check():
     assert err > 0.05
 
 
+def sampling_tree_engine(target, frontier: int = 1) -> SpecEngine:
+    """The sampling tests' engine: a noisy draft's width-3 tree plus lookup candidates, at most 10 nodes, with
+    `frontier` nodes expanded per depth (1: the top-1 spine)."""
+    draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
+    shape = TreeShape(width=3, lookup=True, max_nodes=10, frontier=frontier)
+    return SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
+                      budget=SpeculationBudget(shape, None, 4))
+
+
 def test_engine_tree_sampling_follows_target_distribution():
     """End to end: draft tree + lookup, batched tree verification, commit: output tokens 2-3 (the first drafting
     round's; the prompt's round verifies lookup nodes only) ~ the target's joint."""
@@ -286,10 +295,7 @@ def test_engine_tree_sampling_follows_target_distribution():
     prompt = [3, 5, 3, 5, 3]  # lookup proposes [5, 3, ...]
     params = SamplingParams(temperature=1.0)
     exact = exact_second_and_third(target, prompt, params)
-    draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
-    engine = SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
-                        budget=SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=10), None, 4))
-    err = tv(pair_histogram(engine, 8, prompt, params, 6000)[0], exact)
+    err = tv(pair_histogram(sampling_tree_engine(target), 8, prompt, params, 6000)[0], exact)
     assert err < 0.06, err
 
 
