@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 ASSETS = Path(__file__).parent / "assets"
 COMMITTED_DRAFTS = ASSETS / "drafts"
 # Speculation settings a calibration profile may set (explicit config wins).
-PROFILE_SPEC_FIELDS = ("policy", "k", "width", "lookup", "max_nodes", "frontier")
+PROFILE_SPEC_FIELDS = ("policy", "k", "width", "lookup", "max_nodes", "frontier", "lookup_candidates")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -201,7 +201,8 @@ def make_speculation(spec: SpecConfig, drafter: Any | None, profile: dict | None
     lookup = spec.lookup or spec.mode == "lookup"
     shape = TreeShape(width=spec.width if spec.uses_draft_model else 1, lookup=lookup, max_nodes=spec.max_nodes,
                       frontier=spec.frontier)
-    finder = PromptLookup(spec.lookup_ngram, spec.lookup_tokens) if lookup else None
+    finder = PromptLookup(spec.lookup_ngram, spec.lookup_tokens, spec.lookup_candidates,
+                          spec.lookup_branch_tokens) if lookup else None
     drafter = TreeDrafter(drafter if spec.uses_draft_model else None, finder, spec.lookup_alone)
     return drafter, SpeculationBudget(shape, costs, spec.max_k)
 

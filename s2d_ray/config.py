@@ -68,6 +68,10 @@ class SpecConfig(_Strict):
                          "tree; they cost no forward.")
     lookup_ngram: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup matches.")
     lookup_tokens: int = Field(10, ge=1, le=64, description="Most tokens lookup proposes per round.")
+    lookup_candidates: int = Field(1, ge=1, le=16, description="Distinct lookup continuations per round: the first "
+                                   "from the most recent occurrence of the longest matching suffix, the others from "
+                                   "older occurrences and shorter suffixes, as branches of the tree.")
+    lookup_branch_tokens: int = Field(3, ge=1, le=64, description="Tokens of each lookup continuation after the first.")
     lookup_alone: int = Field(4, ge=1, le=64, description="A lookup match of at least this many tokens is proposed "
                               "alone, without running the draft model that round.")
     max_nodes: int = Field(24, ge=1, le=128, description="Most tree nodes verified per sequence and round.")

@@ -262,7 +262,8 @@ ENGINE_PREFIXES = ("ar", "s2d", "exit:", "lookup")
 def parse_shape(shape: str) -> dict:
     """`s2d:<shape>` rows force speculation settings over the profile's, `+`-joined: `chain` (width 1, no lookup),
     `tree` / `tree<W>` (width 4 / W), `lookup`, `nolookup`, `auto` / `fixed` / `heuristic` (policy), `k<N>`, `n<N>`
-    (max nodes), `f<N>` (frontier nodes expanded per depth)."""
+    (max nodes), `f<N>` (frontier nodes expanded per depth), `lc<N>` (lookup continuations), `lb<N>` (tokens per
+    lookup branch). `lookup:<shape>` rows take the lookup parts."""
     out: dict = {}
     for part in shape.split("+"):
         if part == "chain":
@@ -273,6 +274,8 @@ def parse_shape(shape: str) -> dict:
             out["lookup"] = part == "lookup"
         elif part in ("auto", "fixed", "heuristic"):
             out["policy"] = part
+        elif part[:2] in ("lc", "lb") and part[2:].isdigit():
+            out[{"lc": "lookup_candidates", "lb": "lookup_branch_tokens"}[part[:2]]] = int(part[2:])
         elif part[:1] in ("k", "n", "f") and part[1:].isdigit():
             out[{"k": "k", "n": "max_nodes", "f": "frontier"}[part[0]]] = int(part[1:])
         else:
@@ -314,8 +317,8 @@ def make_methods(names: list[str], cfg: EngineConfig, target: LoadedModel) -> li
             methods.append(other)
         elif name in ("ar", "s2d", "lookup") or head == "exit":
             methods.append(EngineMethod(with_mode(cfg, name), target, eos))
-        elif head == "s2d" and arg:
-            spec = cfg.spec.model_copy(update={"mode": "s2d", **parse_shape(arg)})
+        elif head in ("s2d", "lookup") and arg:
+            spec = cfg.spec.model_copy(update={"mode": head, **parse_shape(arg)})
             method = EngineMethod(cfg.model_copy(update={"spec": spec}), target, eos)
             method.name = name
             methods.append(method)

@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
                    help="token tree: nodes the draft expands per depth (EAGLE-2 frontier; 1 = the top-1 spine)")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
                    help="add prompt-lookup candidates to the tree (default: the profile's)")
+    p.add_argument("--lookup-candidates", type=int, default=None,
+                   help="distinct prompt-lookup continuations per round, as tree branches (default: the profile's, "
+                   "else 1)")
     p.add_argument("--max-nodes", type=int, default=None, help="most tree nodes verified per sequence and round")
     p.add_argument("--exits", type=INTS, default=None, help="override the draft's exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=FLOATS, default=None, help="override thresholds, e.g. 0.5,0.5,0")
@@ -79,7 +82,7 @@ def engine_config(args: argparse.Namespace, target: str | None = None, mode: str
     )
 
 
-SPEC_FLAGS = ("policy", "k", "width", "lookup", "max_nodes", "frontier")
+SPEC_FLAGS = ("policy", "k", "width", "lookup", "max_nodes", "frontier", "lookup_candidates")
 
 
 def spec_config(args: argparse.Namespace, mode: str) -> SpecConfig:

@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass
 
 from .costs import CostModel
-from .tree import LOOKUP, TokenTree
+from .tree import LOOKUP, TokenTree, is_lookup
 
 SCORE_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)  # upper edges of draft-score bins
 MAX_LOOKUP_DEPTH = 32
@@ -31,10 +31,11 @@ class TreeShape:
 
 
 class AcceptanceModel:
-    """P(the path to a node is accepted), by the node's draft path probability (binned) or its lookup depth.
+    """P(the path to a node is accepted), by the node's draft path probability (binned) or its lookup depth (the
+    first continuation and the other, older occurrences' branches apart).
 
-    Counts start from priors worth `prior_weight` observations (draft: 0.8 x the bin's score; lookup: 0.5 x 0.8^d),
-    then follow what this engine's rounds accepted.
+    Counts start from priors worth `prior_weight` observations (draft: 0.8 x the bin's score; lookup: 0.5 x 0.8^d,
+    branches 0.15 x 0.7^d), then follow what this engine's rounds accepted.
     """
 
     def __init__(self, prior_weight: float = 4.0) -> None:
@@ -42,13 +43,18 @@ class AcceptanceModel:
         centres = [(lo + min(hi, 1.0)) / 2 for lo, hi in zip(lows, SCORE_EDGES)]
         self.draft = [[0.8 * c * prior_weight, prior_weight] for c in centres]  # [accepted, offered] per bin
         self.lookup = [[0.5 * 0.8 ** d * prior_weight, prior_weight] for d in range(MAX_LOOKUP_DEPTH)]
+        self.branch = [[0.15 * 0.7 ** d * prior_weight, prior_weight] for d in range(MAX_LOOKUP_DEPTH)]
 
     @staticmethod
     def _bin(score: float) -> int:
         return min(bisect.bisect_right(SCORE_EDGES, score), len(SCORE_EDGES) - 1)
 
-    def _lookup_p(self, depth: int) -> float:
-        acc, off = self.lookup[min(depth, MAX_LOOKUP_DEPTH) - 1]
+    def _lookup_cell(self, exit_layer: int, depth: int) -> list[float]:
+        table = self.lookup if exit_layer == LOOKUP else self.branch
+        return table[min(depth, MAX_LOOKUP_DEPTH) - 1]
+
+    def _lookup_p(self, exit_layer: int, depth: int) -> float:
+        acc, off = self._lookup_cell(exit_layer, depth)
         return acc / off
 
     def estimate(self, tree: TokenTree) -> list[float]:
@@ -57,8 +63,8 @@ class AcceptanceModel:
         for ex, score, d in zip(tree.exits, tree.scores, depths):
             a, o = self.draft[self._bin(score)]
             p = a / o if score > 0 else 0.0
-            if ex == LOOKUP:
-                p = max(p, self._lookup_p(d))
+            if is_lookup(ex):
+                p = max(p, self._lookup_p(ex, d))
             est.append(p)
         # A node is never likelier than its parent (the path must be accepted first).
         for i, par in enumerate(tree.parents):
@@ -82,8 +88,8 @@ class AcceptanceModel:
                 cell = self.draft[self._bin(score)]
                 cell[0] += hit
                 cell[1] += 1
-            if ex == LOOKUP:
-                cell = self.lookup[min(d, MAX_LOOKUP_DEPTH) - 1]
+            if is_lookup(ex):
+                cell = self._lookup_cell(ex, d)
                 cell[0] += hit
                 cell[1] += 1
 

@@ -3,7 +3,10 @@ the sorted draft into one token tree per sequence.
 
 Lookup costs no model forward: find the longest suffix of the sequence (up to `max_ngram` tokens) that occurred
 earlier, and propose what followed its most recent occurrence (transformers' prompt_lookup_num_tokens; Saxena 2023).
-Its candidates are deterministic, so they join a tree under the same exact acceptance as the draft's (core/tree.py).
+Other occurrences often continue differently; with `candidates` > 1 the next distinct continuations (older
+occurrences of the same suffix, then of shorter ones) join the tree as short branches (`branch_tokens` each): a tree
+verifies them in the same forward, where a chain has to bet on one. Candidates are deterministic, so they join a tree
+under the same exact acceptance as the draft's (core/tree.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from .tree import LOOKUP, TokenTree
+from .tree import LOOKUP, LOOKUP_BRANCH, TokenTree
 from .types import DraftRequest, Proposal
 
 
@@ -24,33 +27,51 @@ class LookupMatch:
 
 def find_continuation(tokens: list[int], max_ngram: int, num_tokens: int, min_ngram: int = 1) -> LookupMatch:
     """The continuation of the most recent earlier occurrence of the longest matching suffix."""
+    found = find_continuations(tokens, max_ngram, num_tokens, 1, min_ngram=min_ngram)
+    return found[0] if found else LookupMatch([], 0)
+
+
+def find_continuations(tokens: list[int], max_ngram: int, num_tokens: int, candidates: int = 1,
+                       branch_tokens: int | None = None, min_ngram: int = 1) -> list[LookupMatch]:
+    """Up to `candidates` distinct continuations, best first: the first is `find_continuation`'s; the others follow
+    older occurrences of the same suffix, then of shorter suffixes, cut to `branch_tokens`. A continuation that is a
+    prefix of one already taken adds nothing to a tree and is skipped."""
     n_tok = len(tokens)
+    found: list[LookupMatch] = []
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         suffix = tokens[n_tok - n:]
         first = suffix[0]
         # Most recent occurrence first; the match must end before the suffix itself starts.
         for start in range(n_tok - n - 1, -1, -1):
-            if tokens[start] == first and tokens[start:start + n] == suffix:
-                cont = tokens[start + n:start + n + num_tokens]
-                if cont:
-                    return LookupMatch(cont, n)
-    return LookupMatch([], 0)
+            if tokens[start] != first or tokens[start:start + n] != suffix:
+                continue
+            length = num_tokens if not found else min(num_tokens, branch_tokens or num_tokens)
+            cont = tokens[start + n:start + n + length]
+            if cont and not any(m.tokens[:len(cont)] == cont for m in found):
+                found.append(LookupMatch(cont, n))
+                if len(found) >= candidates:
+                    return found
+    return found
 
 
 class PromptLookup:
-    """The lookup drafter: a chain of up to `num_tokens` candidates per sequence, behind the Drafter contract."""
+    """The lookup drafter: up to `candidates` continuations per sequence (the first up to `num_tokens` long, the
+    others `branch_tokens`), merged into one tree, behind the Drafter contract."""
 
-    def __init__(self, max_ngram: int = 4, num_tokens: int = 10) -> None:
+    def __init__(self, max_ngram: int = 4, num_tokens: int = 10, candidates: int = 1, branch_tokens: int = 3) -> None:
         self.max_ngram, self.num_tokens = max_ngram, num_tokens
+        self.candidates, self.branch_tokens = candidates, branch_tokens
 
-    def match(self, req: DraftRequest) -> LookupMatch:
-        return find_continuation(req.tokens, self.max_ngram, self.num_tokens)
+    def matches(self, req: DraftRequest) -> list[LookupMatch]:
+        """The candidates for one sequence, best first (empty: no match)."""
+        return find_continuations(req.tokens, self.max_ngram, self.num_tokens, self.candidates, self.branch_tokens)
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
         out = []
         for req in requests:
-            cont = self.match(req).tokens
-            out.append(Proposal(cont, None, [LOOKUP] * len(cont), list(range(-1, len(cont) - 1)), [0.0] * len(cont)))
+            tree = TokenTree()
+            add_lookup(tree, self.matches(req))
+            out.append(Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores))
         return out
 
     def release(self, seq_id: str) -> None:
@@ -69,9 +90,9 @@ class TreeDrafter:
         self.draft, self.lookup, self.alone_ngram = draft, lookup, alone_ngram
 
     def propose(self, requests: list[DraftRequest]) -> Any:
-        matches = [self.lookup.match(r) if self.lookup and r.tree else LookupMatch([], 0) for r in requests]
+        matches = [self.lookup.matches(r) if self.lookup and r.tree else [] for r in requests]
         need = [i for i, (r, m) in enumerate(zip(requests, matches))
-                if self.draft is not None and r.k > 0 and not (m.tokens and m.ngram >= self.alone_ngram)]
+                if self.draft is not None and r.k > 0 and not (m and m[0].ngram >= self.alone_ngram)]
         sub = [requests[i] for i in need]
         drafted = self.draft.propose(sub) if sub else []
         if inspect.isawaitable(drafted):
@@ -85,7 +106,15 @@ class TreeDrafter:
             self.draft.release(seq_id)
 
 
-def _merge(requests: list[DraftRequest], matches: list[LookupMatch], need: list[int],
+def add_lookup(tree: TokenTree, matches: list[LookupMatch]) -> None:
+    """Lookup candidates into a tree: the first continuation marked LOOKUP, the others LOOKUP_BRANCH (the budget
+    learns their acceptance apart: an older occurrence's continuation is accepted less often)."""
+    for rank, m in enumerate(matches):
+        mark = LOOKUP if rank == 0 else LOOKUP_BRANCH
+        tree.add_path(m.tokens, [mark] * len(m.tokens), [0.0] * len(m.tokens))
+
+
+def _merge(requests: list[DraftRequest], matches: list[list[LookupMatch]], need: list[int],
            drafted: list[Proposal]) -> list[Proposal]:
     out = [Proposal.empty() for _ in requests]
     for i, prop in zip(need, drafted):
@@ -101,7 +130,6 @@ def _merge(requests: list[DraftRequest], matches: list[LookupMatch], need: list[
             index: dict[int, int] = {}
             for j, (tok, par, ex, sc) in enumerate(zip(prop.tokens, parents, prop.exits, scores)):
                 index[j] = tree.add(index.get(par, -1), tok, ex, sc)
-        if m.tokens:
-            tree.add_path(m.tokens, [LOOKUP] * len(m.tokens), [0.0] * len(m.tokens))
+        add_lookup(tree, m)
         out[i] = Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores)
     return out

@@ -26,6 +26,11 @@ from .sampling import logits_to_probs, sample
 from .types import SamplingParams
 
 LOOKUP = 0  # `exits` value of a node proposed by n-gram lookup (draft exits are layer numbers >= 1)
+LOOKUP_BRANCH = -1  # a node only lookup's other continuations proposed (an older occurrence; accepted less often)
+
+
+def is_lookup(exit_layer: int) -> bool:
+    return exit_layer <= LOOKUP
 
 
 @dataclass
@@ -49,12 +54,13 @@ class TokenTree:
     def add(self, parent: int, token: int, exit_layer: int, score: float) -> int:
         """Add a node (or merge into an existing sibling with the same token, keeping the higher score; a lookup
         candidate merged into a draft node marks it LOOKUP, so the budget values it by both sources, not the draft's
-        alone, and the lookup chain below it is not cut by the draft node's lower estimate)."""
+        alone, and the lookup chain below it is not cut by the draft node's lower estimate; LOOKUP outranks
+        LOOKUP_BRANCH, which outranks a draft exit)."""
         same = self.child(parent, token)
         if same is not None:
             self.scores[same] = max(self.scores[same], score)
-            if exit_layer == LOOKUP:
-                self.exits[same] = LOOKUP
+            if is_lookup(exit_layer) and (not is_lookup(self.exits[same]) or exit_layer > self.exits[same]):
+                self.exits[same] = exit_layer
             return same
         self.tokens.append(token)
         self.parents.append(parent)

@@ -125,6 +125,7 @@ class SequenceMetrics:
         for i in range(result.n_accepted):
             per_pos[i] += 1
         for i, layer in enumerate(result.exits):
+            layer = max(layer, 0)  # lookup's branches (tree.LOOKUP_BRANCH) count as lookup (0)
             self.exit_histogram[layer] = self.exit_histogram.get(layer, 0) + 1
             if i < result.n_accepted:
                 self.accepted_exit_histogram[layer] = self.accepted_exit_histogram.get(layer, 0) + 1
