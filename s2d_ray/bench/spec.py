@@ -118,10 +118,15 @@ def first_mismatch(model: torch.nn.Module, prompt: list[int], ref: list[int], ou
     # A legitimate divergence picks a token whose logit is within rounding of the best one; anything else (a
     # low-ranked token, a missing or extra token) is a bug. Rounding scales with the dtype: verifying k tokens and
     # decoding one run different kernels, and in bf16 a few units in the last place of a logit of ~16 are ~0.25.
+    # And where the method's token IS the argmax of this fresh forward, it is the reference run that left the target's
+    # greedy choice there (in bf16 three kernel shapes, decode, verify and this prefill, can order two tokens three
+    # ways), not the method.
     rounding = 4 * torch.finfo(model.dtype).eps * float(top.values[0].abs()) if model.dtype.itemsize < 4 else 0.0
-    near_tie = pair is not None and abs(pair) < tie_tolerance + rounding
+    method_is_argmax = out_tok is not None and out_tok == int(top.indices[0])
+    near_tie = pair is not None and (abs(pair) < tie_tolerance + rounding or method_is_argmax)
     return {"index": i, "reference_token": ref_tok, "method_token": out_tok, "top2_gap": gap, "pair_gap": pair,
-            "near_tie": near_tie, "reference_length": len(ref), "method_length": len(out)}
+            "near_tie": near_tie, "method_is_argmax": method_is_argmax, "reference_length": len(ref),
+            "method_length": len(out)}
 
 
 def run_target(target_name: str, target: LoadedModel, methods: list[Method], questions: list[Question],

@@ -15,8 +15,9 @@ import torch
 from helpers import save_tiny_llama
 from s2d_ray.bench.methods import HFGenerate, MethodStats
 from s2d_ray.bench.report import summarize
-from s2d_ray.bench.spec import Question, SpecRun, read_questions, run_target, select_questions
+from s2d_ray.bench.spec import Question, SpecRun, first_mismatch, read_questions, run_target, select_questions
 from s2d_ray.cli import main
+from s2d_ray.core.types import SamplingParams
 from s2d_ray.models import load_model
 
 ROWS = [
@@ -131,6 +132,21 @@ def test_equality_check_flags_a_method_that_changes_one_token(tiny_dir):
         assert mm["index"] == 3 and not mm["near_tie"] and mm["pair_gap"] > 0.01 and mm["top2_gap"] >= 0
     row = summarize(records)["tiny"]["overall"]["broken"]
     assert row["mismatches"] == 3 and row["equal"] == 0
+
+
+def test_a_method_on_the_fresh_forwards_argmax_is_not_flagged(tiny_dir):
+    """Where the reference run left the target's argmax (bf16 kernels can order two tokens differently) and the method
+    kept it, the difference is the reference's; the other way round it is flagged."""
+    model = load_model(str(tiny_dir), dtype=torch.float64).model
+    prompt = [5, 6, 7]
+    greedy, _ = HFGenerate(model, eos_token_id=None).generate(prompt, 6, SamplingParams())
+    with torch.no_grad():
+        second = int(torch.topk(model(torch.tensor([prompt + greedy[:3]])).logits[0, -1], 2).indices[1])
+    off = greedy[:3] + [second] + greedy[4:]
+    kept = first_mismatch(model, prompt, off, greedy, 0.0)
+    left = first_mismatch(model, prompt, greedy, off, 0.0)
+    assert kept["method_is_argmax"] and kept["near_tie"] and kept["pair_gap"] < 0
+    assert not left["method_is_argmax"] and not left["near_tie"] and left["pair_gap"] > 0
 
 
 def test_question_selection_spreads_and_interleaves(questions_file):
