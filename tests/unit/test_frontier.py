@@ -353,7 +353,7 @@ def test_a_lookup_chain_merged_into_draft_nodes_keeps_its_value():
     model = AcceptanceModel()
     est = model.estimate(tree)
     assert len(tree) == 3 and tree.exits[0] == LOOKUP and tree.scores[0] == 0.03
-    assert est[2] == pytest.approx(model._lookup_p(3))
+    assert est[2] == pytest.approx(model._lookup_p(LOOKUP, 3))
 
 
 def test_keep_breaks_ties_of_binned_estimates_by_path_probability():
