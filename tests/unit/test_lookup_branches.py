@@ -147,5 +147,24 @@ def test_sampling_with_lookup_branches_follows_the_target(monkeypatch):
     assert wrong > 0.1, wrong
 
 
-def test_shape_names_set_lookup_continuations():
+def test_lookup_candidates_come_from_flags_profiles_yaml_and_bench_names():
+    """`spec.lookup_candidates` reaches the lookup drafter; a calibration profile sets it unless the user did (flag
+    or YAML field); bench rows name it `lc<N>` / `lb<N>`, for `s2d:` and `lookup:` rows alike."""
+    import argparse
+
+    from s2d_ray.build import effective_spec, make_speculation
+    from s2d_ray.commands.engine_args import add_engine_args, spec_config
+    from s2d_ray.config import EngineConfig, SpecConfig
+
+    drafter, _ = make_speculation(SpecConfig(mode="lookup", lookup_candidates=4, lookup_branch_tokens=2), None, None)
+    assert (drafter.lookup.candidates, drafter.lookup.branch_tokens, drafter.draft) == (4, 2, None)
+    assert effective_spec(EngineConfig(), {"lookup_candidates": 3}).lookup_candidates == 3
+    assert effective_spec(EngineConfig(spec=SpecConfig(lookup_candidates=1)), {"lookup_candidates": 3}) \
+        .lookup_candidates == 1
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert spec_config(parser.parse_args(["--lookup-candidates", "5"]), "s2d").lookup_candidates == 5
+    assert "lookup_candidates" not in spec_config(parser.parse_args([]), "s2d").model_fields_set
     assert parse_shape("lookup+lc4+lb2") == {"lookup": True, "lookup_candidates": 4, "lookup_branch_tokens": 2}
+    with pytest.raises(ValueError):
+        SpecConfig(lookup_candidates=0)
