@@ -4,20 +4,17 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from core_fixtures import noisy_draft, random_prompts, tiny_target
+from core_fixtures import random_prompts, tiny_target
 from s2d_ray.bench.methods import parse_shape
-from s2d_ray.core.budget import AcceptanceModel, SpeculationBudget, TreeShape
-from s2d_ray.core.draft import SortedDrafter
+from s2d_ray.core.budget import AcceptanceModel
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
-from s2d_ray.core.lookup import PromptLookup, TreeDrafter, add_lookup, find_continuation, find_continuations
-from s2d_ray.core.policy import FixedK
+from s2d_ray.core.lookup import PromptLookup, add_lookup, find_continuation, find_continuations
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.tree import LOOKUP, LOOKUP_BRANCH, TokenTree
 from s2d_ray.core.types import DraftRequest, SamplingParams
 from test_engine_exact import run
-from test_trees import repetitive_prompts
+from test_trees import repetitive_prompts, tree_engine, wrong_no_residual
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +66,7 @@ def test_budget_learns_branch_acceptance_apart_from_the_first_continuation():
 
 
 def lookup_engine(target, candidates: int, draft: bool = False) -> SpecEngine:
-    drafter = SortedDrafter(noisy_draft(target)) if draft else None
-    finder = PromptLookup(max_ngram=3, num_tokens=6, candidates=candidates, branch_tokens=3)
-    budget = SpeculationBudget(TreeShape(width=3 if draft else 1, lookup=True, max_nodes=16), None, max_depth=4)
-    return SpecEngine(TargetVerifier(target), TreeDrafter(drafter, finder, alone_ngram=3), FixedK(3), budget=budget)
+    return tree_engine(target, 3 if draft else 1, True, lookup_candidates=candidates, draft=draft)
 
 
 def accepted_branch_nodes(engine: SpecEngine) -> list[int]:
@@ -102,22 +96,6 @@ def test_greedy_with_lookup_branches_equals_target_greedy(target, draft, batch):
     assert all("-1" not in o.metrics["accepted_exit_histogram"] for o in out)  # branches count as lookup (0)
 
 
-def keep_rejected_siblings(tree, logits, params, generator):
-    """A WRONG multi-candidate rule: a rejected sibling's mass stays in the residual (the control)."""
-    from s2d_ray.core.sampling import logits_to_probs, sample
-
-    path, node = [], -1
-    while True:
-        r = logits_to_probs(logits[node + 1], params).double()
-        kids = [i for i, p in enumerate(tree.parents) if p == node]
-        hit = next((c for c in kids if float(torch.rand((), generator=generator, dtype=torch.float64))
-                    < float(r[tree.tokens[c]])), None)
-        if hit is None:
-            return path, sample(r, generator)
-        path.append(hit)
-        node = hit
-
-
 def branch_sampling_tv(n: int) -> tuple[float, float, int]:
     """TV of output tokens 1-2 (joint, and token 1 alone) from the target's, and accepted branch nodes: the prompt's
     round verifies three lookup siblings at depth 1 (after 3 came 7, 6 and 5) and their children."""
@@ -142,7 +120,7 @@ def test_sampling_with_lookup_branches_follows_the_target(monkeypatch):
     assert branches > 100 and joint < 0.06 and first < 0.03, (joint, first, branches)
     import s2d_ray.core.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "accept_tree", keep_rejected_siblings)
+    monkeypatch.setattr(engine_module, "accept_tree", wrong_no_residual)  # a rejected sibling stays in r
     _, wrong, _ = branch_sampling_tv(2000)
     assert wrong > 0.1, wrong
 

@@ -102,9 +102,11 @@ def test_lookup_finds_the_latest_longest_match():
     assert find_continuation([1, 2, 3], 3, 4).tokens == []
 
 
-def tree_engine(target, width: int, lookup: bool, costs: CostModel | None = None, k: int = 3) -> SpecEngine:
-    draft = SortedDrafter(noisy_draft(target))
-    drafter = TreeDrafter(draft, PromptLookup(max_ngram=3, num_tokens=6) if lookup else None, alone_ngram=3)
+def tree_engine(target, width: int, lookup: bool, costs: CostModel | None = None, k: int = 3,
+                lookup_candidates: int = 1, draft: bool = True) -> SpecEngine:
+    """A noisy draft's width-`width` tree (no draft: lookup alone) plus `lookup_candidates` lookup continuations."""
+    finder = PromptLookup(max_ngram=3, num_tokens=6, candidates=lookup_candidates) if lookup else None
+    drafter = TreeDrafter(SortedDrafter(noisy_draft(target)) if draft else None, finder, alone_ngram=3)
     budget = SpeculationBudget(TreeShape(width=width, lookup=lookup, max_nodes=12), costs, max_depth=6)
     return SpecEngine(TargetVerifier(target), drafter, FixedK(k), budget=budget)
 
