@@ -4,6 +4,9 @@
 # SAME command; finished chunks / cache parts / checkpoints are kept. Run it as a background job on a shared
 # machine (setsid nice -n 19 ..., pid appended to /tmp/s2d-train.pids so benchmarks can pause it).
 #   scripts/draft_scale.sh RUN_DIR [gen|heldout|train|all]      (default: all, in that order)
+#   scripts/draft_scale.sh RUN_DIR export   the latest checkpoint as RUN_DIR/resume (a bf16 draft, ~50 MB: commit
+#     it with the data), from which `train` continues on a machine without RUN_DIR/stage5 (a new checkout). The KD
+#     cache is built lazily in the order steps visit the rows, so a moved run rebuilds only the part still ahead.
 # Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (10000: about one epoch of the
 # ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
@@ -36,16 +39,21 @@ if [[ $what == heldout || $what == all ]]; then
       --threads "$threads" --out "$run/heldout/$(basename "$t").jsonl"
   done
 fi
-if [[ $what == train || $what == all ]]; then
-  resume=(); [[ -f $run/stage5/checkpoint.pt ]] && resume=(--resume)
+if [[ $what == train || $what == all || $what == export ]]; then
+  # The checkpoint when this machine has it; else the draft a run exported to carry it here (stage `export`).
+  resume=(); [[ -f $run/stage5/checkpoint.pt || -f $run/resume/MANIFEST.json ]] && resume=(--resume)
+  [[ -f $run/resume/MANIFEST.json ]] && resume+=(--resume-draft "$run/resume")
   from=(); [[ -n $init ]] && from=(--init "$init")
   paths=(); for t in "${targets[@]}"; do paths+=("$run/heldout/$(basename "$t").jsonl"); done
   limit=(); [[ -n ${TIME_LIMIT:-} ]] && limit=(--time-limit "$TIME_LIMIT")
-  s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$run/drafts/stage5" \
+  save=$run/drafts/stage5; export=()
+  [[ $what == export ]] && { save=$run/resume; resume=(); export=(--export-only); }
+  s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$save" \
     --data "$run/sd-multi" "${from[@]}" --layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}" \
     --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
     --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-bfloat16}" --kd-topk 32 --seq-len 256 \
     --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 \
     --warmup 0.02 --val-every 500 --ckpt-every "${CKPT_EVERY:-25}" --val-examples 47 --seed 5 --threads "$threads" \
-    --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}" "${resume[@]}" "${limit[@]}"
+    --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}" "${resume[@]}" "${limit[@]}" \
+    "${export[@]}"
 fi

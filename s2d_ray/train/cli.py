@@ -76,6 +76,9 @@ def _register_train(sub) -> None:
                         "checkpoints hold CPU tensors, so a run may resume on another device")
     p.add_argument("--init", default=None, help="start from this draft directory (e.g. an earlier stage)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--resume-draft", default=None, metavar="DIR",
+                   help="with --resume, where --out holds no checkpoint (another machine): continue from this draft "
+                        "the run exported (--save / --export-only; bf16 weights, the optimiser restarts with a warmup)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--export-only", action="store_true", help="write --save from the checkpoint in --out; no training")
     p.set_defaults(func=run_train)
@@ -117,9 +120,14 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError("--exit-distill must be >= 0")
     if cfg.exit_weights and len(cfg.exit_weights) != len(cfg.exits()):
         raise ValueError(f"--exit-weights needs one weight per exit ({len(cfg.exits())})")
+    if args.resume_draft and not args.resume:
+        raise ValueError("--resume-draft needs --resume")
     run = Run(cfg)
     if args.resume and not run.resume():
-        logger.warning("no checkpoint in %s: starting fresh", args.out)
+        if args.resume_draft:
+            run.resume_from_draft(Path(args.resume_draft))
+        else:
+            logger.warning("no checkpoint in %s: starting fresh", args.out)
     elif not args.resume and (Path(args.out) / "checkpoint.pt").exists():
         raise ValueError(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
     deadline = None if args.time_limit is None else started + args.time_limit

@@ -172,10 +172,16 @@ def stack_rows(rows: list[Packed]) -> Packed:
     return Packed(*(torch.cat([getattr(p, f) for p in rows]) for f in ("ids", "labels", "positions", "doc", "row")))
 
 
+def visit_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order an epoch visits n packed rows (seeded per epoch): batches take it batch_size at a time."""
+    order = list(range(n))
+    random.Random(seed * 1000 + epoch).shuffle(order)
+    return order
+
+
 def batches(rows: list[Packed], batch_size: int, seed: int, epoch: int) -> list[Packed]:
     """Shuffle packed rows (seeded per epoch) and stack them into batches."""
-    order = list(range(len(rows)))
-    random.Random(seed * 1000 + epoch).shuffle(order)
+    order = visit_order(len(rows), seed, epoch)
     out = []
     for s in range(0, len(order) - batch_size + 1, batch_size):
         pick = [rows[i] for i in order[s : s + batch_size]]

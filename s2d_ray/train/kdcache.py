@@ -3,7 +3,8 @@
 KD with the target's full distribution runs the target's forward (30 layers for SmolLM2-135M) at every step, for
 every epoch and every stage on the same data: most of a step's time. The cache runs it once, storing per labelled
 position the k largest logits over the FULL vocabulary (float16) and their ids (int16, offset by 2^15: vocabularies
-up to 65,536), so one cache serves any reduced draft vocabulary; 4 bytes per id and logit. Files are written per chunk of rows, atomically, so building resumes after a kill.
+up to 65,536), so one cache serves any reduced draft vocabulary; 4 bytes per id and logit. Files are written per chunk of rows, atomically, so building resumes after a kill; a trainer builds them lazily, in
+the order it visits the rows (`TopKCache`).
 
 Contract of the cached loss (`TopK` in forward.py): the target's distribution is its softmax over the cached ids
 that are in the draft's vocabulary, renormalised (at the KD temperature); KL(target || draft) sums over those ids.
@@ -40,17 +41,32 @@ def rows_fingerprint(rows: list[Packed]) -> str:
 
 
 class TopKCache:
-    """One target's cached top-k logits for a list of packed rows, in `directory` (built on first use)."""
+    """One target's cached top-k logits for a list of packed rows, in `directory`.
+
+    Rows are grouped into chunks of `chunk_rows` in `order` (default: row index; a trainer passes its first epoch's
+    visiting order), one part file per chunk. `build` computes missing chunks up front; with a model `attach`ed,
+    `lookup` computes a missing chunk (and, off the CPU, the next missing ones) when a batch first needs it. Built in
+    visiting order, a run that is interrupted and resumed on a machine without the cache (a new checkout) rebuilds
+    only the chunks still ahead of it, so the cache costs each target forward once per row however often the run
+    moves, and nothing that large has to travel."""
 
     def __init__(self, directory: Path, target: str, rows: list[Packed], k: int, dtype: str,
-                 chunk_rows: int = 4) -> None:
+                 chunk_rows: int = 4, order: list[int] | None = None) -> None:
         self.directory = Path(directory)
         self.rows, self.k, self.chunk_rows = rows, k, chunk_rows
+        self.order = list(range(len(rows))) if order is None else list(order)
+        if sorted(self.order) != list(range(len(rows))):
+            raise ValueError("a KD cache's order must visit every packed row once")
+        by_index = self.order == list(range(len(rows)))
+        order_key = "index" if by_index else hashlib.sha256(str(self.order).encode()).hexdigest()[:16]
         self.meta = {"target": target, "k": k, "dtype": dtype, "rows": len(rows), "chunk_rows": chunk_rows,
-                     "fingerprint": rows_fingerprint(rows)}
-        self.values: torch.Tensor | None = None
-        self.ids: torch.Tensor | None = None
-        self.offsets: torch.Tensor | None = None
+                     "fingerprint": rows_fingerprint(rows), "order": order_key}
+        self._where = {r: divmod(n, chunk_rows) for n, r in enumerate(self.order)}  # row -> (chunk, slot)
+        self._parts: dict[int, dict] = {}  # loaded chunks: values, ids, offsets (per slot)
+        self._checked = False
+        self.builder: torch.nn.Module | None = None
+        self.chunks_per_forward = 1
+        self.built = 0  # chunks this process computed (lazily or not)
 
     def _part(self, c: int) -> Path:
         return self.directory / f"part-{c:06d}.pt"
@@ -58,8 +74,13 @@ class TopKCache:
     def _chunks(self) -> range:
         return range(0, -(-len(self.rows) // self.chunk_rows))
 
-    def missing(self) -> list[int]:
-        """Chunks not written yet (all of them for a new cache); refuses a cache of other rows or settings."""
+    def _rows_of(self, c: int) -> list[Packed]:
+        return [self.rows[r] for r in self.order[c * self.chunk_rows : (c + 1) * self.chunk_rows]]
+
+    def _check_meta(self) -> None:
+        """Refuse a directory built for other rows, order or settings; a new one gets this cache's metadata."""
+        if self._checked:
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         meta_path = self.directory / META
         if meta_path.exists():
@@ -69,10 +90,27 @@ class TopKCache:
                                  "use another --kd-cache directory")
         else:
             meta_path.write_text(json.dumps(self.meta, indent=2))
+        self._checked = True
+
+    def missing(self) -> list[int]:
+        """Chunks not written yet (all of them for a new cache); refuses a cache of other rows or settings."""
+        self._check_meta()
         return [c for c in self._chunks() if not self._part(c).exists()]
 
-    def build(self, model: torch.nn.Module, progress: bool = True, chunks_per_forward: int | None = None) -> int:
-        """Compute the missing chunks with the target's forward, on the model's device; returns how many were computed.
+    def attach(self, model: torch.nn.Module, chunks_per_forward: int | None = None) -> "TopKCache":
+        """Let `lookup` build missing chunks with this model (on its device) when a batch first needs them."""
+        self._check_meta()
+        if model.config.vocab_size > 2 * ID_OFFSET:
+            raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
+        self.builder = model
+        self.chunks_per_forward = chunks_per_forward or (
+            1 if module_device(model).type == "cpu" else GPU_CHUNKS_PER_FORWARD)
+        return self
+
+    def build(self, model: torch.nn.Module, progress: bool = True, chunks_per_forward: int | None = None,
+              chunks: list[int] | None = None) -> int:
+        """Compute the missing chunks (or those of `chunks` that are missing) with the target's forward, on the
+        model's device; returns how many were computed.
 
         Parts hold CPU tensors, the same layout whichever device computed them. On the CPU one forward per chunk (as
         the rates in docs/TRAINING.md were measured); elsewhere `chunks_per_forward` chunks (default 16: 64 rows of
@@ -80,16 +118,17 @@ class TopKCache:
         chunk's slice is written as its own part as before."""
         if model.config.vocab_size > 2 * ID_OFFSET:
             raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
-        todo = self.missing()
+        todo = self.missing() if chunks is None else [c for c in chunks if not self._part(c).exists()]
         full = SubVocab(None, model.config.vocab_size)
         if chunks_per_forward is None:
             chunks_per_forward = 1 if module_device(model).type == "cpu" else GPU_CHUNKS_PER_FORWARD
         bar = tqdm(total=len(todo), desc=f"KD cache {self.meta['target']}", disable=not progress or not todo)
         for g in range(0, len(todo), chunks_per_forward):
             group = todo[g : g + chunks_per_forward]
-            chunk_rows = [self.rows[c * self.chunk_rows : (c + 1) * self.chunk_rows] for c in group]
+            chunk_rows = [self._rows_of(c) for c in group]
             batch = stack_rows([r for rows in chunk_rows for r in rows])
-            logits = target_logits(model, batch, full)
+            with torch.no_grad():
+                logits = target_logits(model, batch, full)
             top = logits.topk(min(self.k, logits.shape[-1]), -1)
             row_counts = (batch.labels != -100).sum(-1)  # labelled positions per row, in the logits' order
             start, first = 0, 0
@@ -107,17 +146,37 @@ class TopKCache:
                 tmp.replace(self._part(c))
                 bar.update(1)
         bar.close()
+        self.built += len(todo)
         return len(todo)
 
+    def _get(self, c: int) -> dict:
+        """Chunk c in memory: loaded from its part, or built first (with the attached model) when missing."""
+        if c in self._parts:
+            return self._parts[c]
+        self._check_meta()
+        if not self._part(c).exists():
+            if self.builder is None:
+                raise ValueError(f"KD cache {self.directory} is incomplete; build it first")
+            ahead = [d for d in self._chunks()[c + 1 :] if d not in self._parts and not self._part(d).exists()]
+            self.build(self.builder, progress=False, chunks_per_forward=self.chunks_per_forward,
+                       chunks=[c] + ahead[: self.chunks_per_forward - 1])
+        p = torch.load(self._part(c))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), p["counts"].cumsum(0)])
+        self._parts[c] = {"values": p["values"], "ids": p["ids"], "offsets": offsets}
+        return self._parts[c]
+
     def load(self) -> "TopKCache":
-        if self.missing():
+        """Every chunk in memory (built first where missing if a model is attached)."""
+        if self.missing() and self.builder is None:
             raise ValueError(f"KD cache {self.directory} is incomplete; build it first")
-        parts = [torch.load(self._part(c)) for c in self._chunks()]
-        self.values = torch.cat([p["values"] for p in parts])
-        self.ids = torch.cat([p["ids"] for p in parts])
-        counts = torch.cat([p["counts"] for p in parts])
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        for c in self._chunks():
+            self._get(c)
         return self
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The loaded chunks' logits, in chunk order (for inspection; `lookup` is what training uses)."""
+        return torch.cat([self._parts[c]["values"] for c in sorted(self._parts)])
 
     def lookup(self, batch: Packed, vocab: SubVocab, device: torch.device | str = "cpu") -> TopK:
         """The batch's labelled positions in order (row by row), with ids mapped into the draft's vocabulary (which
@@ -132,8 +191,14 @@ class TopKCache:
         and a pinned allocation per step; at 67 kB neither can save more than those tens of us."""
         if batch.row is None:
             raise ValueError("a KD cache needs packed rows that carry their index (data.pack)")
-        sel = torch.cat([torch.arange(self.offsets[r], self.offsets[r + 1]) for r in batch.row.tolist()])
-        values, ids = self.values[sel].to(device), self.ids[sel].to(device)
+        values, ids = [], []
+        for r in batch.row.tolist():
+            c, slot = self._where[r]
+            part = self._get(c)
+            lo, hi = int(part["offsets"][slot]), int(part["offsets"][slot + 1])
+            values.append(part["values"][lo:hi])
+            ids.append(part["ids"][lo:hi])
+        values, ids = torch.cat(values).to(device), torch.cat(ids).to(device)
         return TopK.of(values.float(), ids.long() + ID_OFFSET, vocab)
 
 

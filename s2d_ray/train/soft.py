@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..config import DATA_DIR
 from ..core.draft import SortedDraft, default_exits, paper_thresholds
 from ..models import load_model
-from .data import Packed, batches, data_hash, load_examples, pack
+from .data import Packed, batches, data_hash, load_examples, pack, visit_order
 from .forward import SubVocab, exit_logits, soft_loss, target_logits
 from .kdcache import TopKCache, target_cache_dir
 from .validate import Validator
@@ -134,6 +134,7 @@ class Run:
         self._place()
         self.kd_caches = self._kd_caches()
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.rewarm_from: int | None = None  # the step a run resumed from an exported draft (fresh optimiser) at
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.step, self.tokens, self.wall = 0, 0, 0.0
         self.history: list[dict] = []
@@ -164,20 +165,20 @@ class Run:
         self.vocab.to(dev)
 
     def _kd_caches(self) -> list[TopKCache]:
-        """With --kd-cache, each KD target's top-k logits over these rows, computed once (resumable) and loaded."""
+        """With --kd-cache, each KD target's top-k logits over these rows, chunked in the first epoch's visiting order
+        and built lazily as steps reach them (resumable; a resumed run builds only what is still ahead)."""
         cfg = self.cfg
         if not cfg.kd_cache or cfg.kd_weight <= 0:
             return []
         dtype = cfg.kd_cache_dtype or cfg.dtype
+        order = visit_order(len(self.rows), cfg.seed, 0)
         caches = []
         for name, model in zip(cfg.kd_targets, self.kd_models):
-            cache = TopKCache(target_cache_dir(Path(cfg.kd_cache), name), name, self.rows, cfg.kd_topk, dtype)
-            if cache.missing():
-                started = time.perf_counter()
-                builder = model if dtype == cfg.dtype else load_model(name, dtype=getattr(torch, dtype)).model
-                cache.build(builder.to(self.device))
-                logger.info("KD cache for %s built in %.0f s", name, time.perf_counter() - started)
-            caches.append(cache.load())
+            cache = TopKCache(target_cache_dir(Path(cfg.kd_cache), name), name, self.rows, cfg.kd_topk, dtype,
+                              order=order)
+            cache.missing()  # refuses another run's cache now, not at the first step
+            builder = model if dtype == cfg.dtype else load_model(name, dtype=getattr(torch, dtype)).model
+            caches.append(cache.attach(builder.to(self.device)))
         return caches
 
     def _pick_vocab(self) -> torch.Tensor | None:
@@ -222,7 +223,10 @@ class Run:
         if step < warm:
             return (step + 1) / warm
         frac = min(1.0, (step - warm) / max(1, self.cfg.steps - warm))
-        return self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        factor = self.cfg.min_lr_ratio + (1 - self.cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        if self.rewarm_from is not None and step >= self.rewarm_from:  # Adam's moments restarted: warm up again
+            factor *= min(1.0, (step - self.rewarm_from + 1) / warm)
+        return factor
 
     def batch_at(self, step: int) -> Packed:
         """The batch of a global step: epochs are reshuffled by seed, so a resumed run sees the same order."""
@@ -301,7 +305,8 @@ class Run:
         torch.save({"cfg": asdict(self.cfg), "step": self.step, "tokens": self.tokens, "wall": self.wall,
                     "history": self.history, "model": to_cpu(self.trainable_state()),
                     "opt": to_cpu(self.opt.state_dict()), "sched": self.sched.state_dict(),
-                    "vocab_ids": to_cpu(self.vocab.ids), "rng": torch.get_rng_state()}, tmp)
+                    "vocab_ids": to_cpu(self.vocab.ids), "rng": torch.get_rng_state(),
+                    "rewarm_from": self.rewarm_from}, tmp)
         tmp.replace(self.out / CKPT)
 
     def resume(self) -> bool:
@@ -311,12 +316,7 @@ class Run:
         # Onto the CPU first, whichever device wrote it; load_state_dict then copies each tensor to its parameter's
         # device (the optimiser's state too, as torch's Optimizer.load_state_dict casts it to its parameter).
         ck = torch.load(path, weights_only=False, map_location="cpu")
-        # Fields added after a checkpoint was written count as equal when this run leaves them at their default;
-        # RESUME_MAY_CHANGE (steps, device, checkpoint interval) may differ.
-        defaults = asdict(SoftConfig())
-        current = {k: v for k, v in asdict(self.cfg).items() if k in ck["cfg"] or v != defaults[k]}
-        if _identity(ck["cfg"]) != _identity(current):
-            raise ValueError(f"{path} was written by a different configuration; use another --out or the same flags")
+        self._check_same_run(ck["cfg"], path)
         self.draft.layers.load_state_dict(ck["model"]["layers"])
         if self.head_rows is not None:
             self.draft.parts.norm.load_state_dict(ck["model"]["norm"])
@@ -324,9 +324,40 @@ class Run:
         self.opt.load_state_dict(ck["opt"])
         self.sched.load_state_dict(ck["sched"])
         self.step, self.tokens, self.wall, self.history = ck["step"], ck["tokens"], ck["wall"], ck["history"]
+        self.rewarm_from = ck.get("rewarm_from")
         torch.set_rng_state(ck["rng"])
         logger.info("resumed %s at step %d", path, self.step)
         return True
+
+    def _check_same_run(self, saved: dict, source: Path) -> None:
+        """Fields added after `saved` was written count as equal when this run leaves them at their default;
+        RESUME_MAY_CHANGE (steps, device, checkpoint interval) may differ."""
+        defaults = asdict(SoftConfig())
+        current = {k: v for k, v in asdict(self.cfg).items() if k in saved or v != defaults[k]}
+        if _identity(saved) != _identity(current):
+            raise ValueError(f"{source} was written by a different configuration; use another --out or the same flags")
+
+    def resume_from_draft(self, directory: Path) -> None:
+        """Continue this run from a draft it exported (`--save`, `--export-only`): what carries a run to a machine
+        without its checkpoint. The export is ~1/6 of a checkpoint (bf16 weights, no optimiser: 50 MB against ~310
+        for the 6-layer draft), so it can be committed. Not bit-exact: weights come back rounded to bf16 and Adam's
+        moments restart, so the learning rate warms up again (as at the start) from the exported step; data order,
+        schedule position and the curve continue."""
+        directory = Path(directory)
+        manifest = json.loads((directory / "MANIFEST.json").read_text())
+        self._check_same_run(manifest["config"], directory)
+        init = SortedDraft.load(directory, self.target.model)
+        mine = None if self.vocab.ids is None else self.vocab.ids.cpu()
+        if (init.vocab_ids is None) != (mine is None) or (mine is not None and not torch.equal(init.vocab_ids, mine)):
+            raise ValueError(f"{directory} has another draft vocabulary than this run")
+        self._load_init(init)
+        self.step, self.tokens, self.wall = manifest["steps"], manifest["train_tokens"], manifest["wall_s"]
+        self.history = manifest["curve"]
+        self.rewarm_from = self.step
+        self.sched.last_epoch = self.step
+        for group, base in zip(self.opt.param_groups, self.sched.base_lrs):
+            group["lr"] = base * self._lr_factor(self.step)
+        logger.info("resumed from the exported draft %s at step %d (optimiser restarted)", directory, self.step)
 
     def export(self) -> SortedDraft:
         """The trained draft as the engine loads it (reduced vocabulary and own norm/head when trained)."""

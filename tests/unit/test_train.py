@@ -333,8 +333,9 @@ def test_topk_kd_equals_full_kd_restricted_to_the_top_k():
 
 
 def test_kd_cache_replaces_the_target_forward(tmp_path, tiny_llama_dir):
-    """Training from the cache matches full-logit KD (k = vocabulary), survives a partial build and is keyed to the
-    rows: a different packing is refused."""
+    """Training from the cache matches full-logit KD (k = vocabulary), builds lazily only the chunks steps reach
+    (keeping those a killed build wrote) and is keyed to the rows: a different packing is refused."""
+    from s2d_ray.train.data import visit_order
     from s2d_ray.train.kdcache import TopKCache, target_cache_dir
 
     other = save_tiny_llama(tmp_path / "other", seed=1)
@@ -342,20 +343,25 @@ def test_kd_cache_replaces_the_target_forward(tmp_path, tiny_llama_dir):
               train_norm_head=True, steps=4)
     dense = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
     cache_dir = tmp_path / "cache"
-    # A build killed after two chunks: the run completes it.
-    part = TopKCache(target_cache_dir(cache_dir, str(other)), str(other), dense.rows, 320, "float32")
+    # A build killed after two chunks (in the run's visiting order: batch_size 4 = chunk_rows, so chunk s is step s).
+    part = TopKCache(target_cache_dir(cache_dir, str(other)), str(other), dense.rows, 320, "float32",
+                     order=visit_order(len(dense.rows), 0, 0))
     part.build(dense.kd_models[1], progress=False)
     for p in sorted(part.directory.glob("part-*.pt"))[2:]:
         p.unlink()
     cached = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run2"), kd_cache=str(cache_dir), kd_topk=320,
                           **kw))
-    assert len(cached.kd_caches) == 2
+    assert len(cached.kd_caches) == 2 and [c.built for c in cached.kd_caches] == [0, 0]  # nothing built up front
     for step in (0, 3):
         batch = dense.batch_at(step)
         with torch.no_grad():
             a, per_a = dense.loss_on(batch)
             b, per_b = cached.loss_on(batch)
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # logits stored in float16
+    # Steps 0 and 3 needed chunks 0 and 3: the first target built both, the second only chunk 3 (0 was kept).
+    assert [c.built for c in cached.kd_caches] == [2, 1]
+    assert sorted(p.name for p in cached.kd_caches[0].directory.glob("part-*.pt")) == ["part-000000.pt",
+                                                                                       "part-000003.pt"]
     small = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "run3"), kd_cache=str(tmp_path / "c8"),
                          kd_topk=8, **kw))
     with torch.no_grad():
@@ -422,7 +428,7 @@ def test_kd_cache_built_in_bfloat16_is_close_and_kept_apart(tmp_path, tiny_llama
                         kd_cache_dtype="bfloat16", **kw))
     meta = json.loads(next((tmp_path / "c16").glob("*/kdcache.json")).read_text())
     assert meta["dtype"] == "bfloat16"
-    assert not torch.equal(bf16.kd_caches[0].values, fp32.kd_caches[0].values)  # really built in bf16
+    assert not torch.equal(bf16.kd_caches[0].load().values, fp32.kd_caches[0].load().values)  # really built in bf16
     with torch.no_grad():
         a, b = fp32.loss_on(fp32.batch_at(0))[0], bf16.loss_on(bf16.batch_at(0))[0]
     torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
@@ -471,7 +477,8 @@ def test_device_cpu_is_the_default_on_a_cpu_machine(tmp_path, tiny_llama_dir, mo
     assert auto.cfg.device == "auto" and auto.device == cpu.device == torch.device("cpu")
     for run in (auto, cpu):
         run.train(progress=False)
-    assert auto.history == cpu.history and len(auto.history) == 3  # steps 0, 2 and 4, losses and metrics exactly
+    untimed = [[{k: v for k, v in h.items() if k != "wall_s"} for h in run.history] for run in (auto, cpu)]
+    assert untimed[0] == untimed[1] and len(auto.history) == 3  # steps 0, 2 and 4, losses and metrics exactly
     for a, b in zip(auto.params, cpu.params):
         assert torch.equal(a, b)
     ck_auto, ck_cpu = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("auto", "cpu"))
@@ -509,6 +516,37 @@ def test_checkpoint_resumes_on_another_device(tmp_path, tiny_llama_dir, monkeypa
         Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cpu", **kw)).resume()
 
 
+def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, tiny_llama_dir):
+    """What crosses machines is the exported draft (bf16, no optimiser) and the data: the run continues at the same
+    step, tokens and curve, its learning rate warms up again, and the lazily built KD cache is rebuilt only for the
+    chunks still ahead (batch_size 4 = chunk_rows, so chunk s is step s)."""
+    import shutil
+
+    kw = dict(kd_targets=[str(tiny_llama_dir)], kd_weight=1.0, kd_cache=str(tmp_path / "cache"), kd_topk=16,
+              vocab_size=64, train_norm_head=True, steps=8, val_every=4, warmup=0.25)
+    first = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
+    first.train(progress=False, until=4)
+    first.save_draft(tmp_path / "carry", "cmd")
+    assert len(list((tmp_path / "cache").rglob("part-*.pt"))) == 4
+    shutil.rmtree(tmp_path / "cache")
+    (tmp_path / "run" / "checkpoint.pt").unlink()  # a new machine: only what the repo holds came along
+    second = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
+    assert not second.resume()
+    second.resume_from_draft(tmp_path / "carry")
+    assert (second.step, second.tokens, second.history) == (first.step, first.tokens, first.history)
+    for a, b in zip(first.params, second.params):
+        torch.testing.assert_close(b, a.detach().to(torch.bfloat16).float())  # the export's bf16 rounding, no more
+    assert second.opt.param_groups[0]["lr"] == pytest.approx(first.opt.param_groups[0]["lr"] / 2)  # rewarm 1 of 2
+    second.train(progress=False)
+    assert second.step == 8 and all(math.isfinite(x) for x in second.last_losses)
+    assert sorted(p.name for p in (tmp_path / "cache").rglob("part-*.pt")) == [f"part-{c:06d}.pt" for c in range(4, 8)]
+    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ck["rewarm_from"] == 4  # a later resume from the checkpoint keeps the same schedule
+    with pytest.raises(ValueError, match="different configuration"):
+        Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "other"), **(kw | {"lr": 1.0}))).resume_from_draft(
+            tmp_path / "carry")
+
+
 def test_unknown_or_missing_device_is_refused(tmp_path, tiny_llama_dir, monkeypatch):
     from s2d_ray.train.soft import resolve_device
 
@@ -541,7 +579,7 @@ def test_cuda_run_trains_and_its_checkpoint_resumes_on_the_cpu(tmp_path, tiny_ll
     kw = device_kw(tmp_path, tiny_llama_dir) | dict(steps=6, val_every=3, ckpt_every=1000)
     gpu = Run(tiny_cfg(tmp_path, tiny_llama_dir, device="cuda", **kw))
     assert gpu.device.type == "cuda" and all(p.device.type == "cuda" for p in gpu.params)
-    assert all(c.values.device.type == "cpu" for c in gpu.kd_caches)
+    assert all(c.load().values.device.type == "cpu" for c in gpu.kd_caches)  # built on the GPU, kept on the CPU
     for p in sorted((tmp_path / "kdcache").rglob("part-*.pt")):
         assert cpu_tensors_only(torch.load(p))
     cpu = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "cpu"), device="cpu", **kw))  # the same cache
