@@ -11,7 +11,9 @@
 # ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
 # instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6),
-# KD_CACHE_DTYPE (bfloat16: builds the cache ~2x faster, the generated paths' dtype), DEVICE (auto: cuda when torch
+# KD_CACHE_DTYPE (bfloat16: builds the cache ~2x faster, the generated paths' dtype), AUTOCAST (auto: the draft's
+# steps under bf16 autocast where bf16 is the fast path, ~2x a step on an AVX512-BF16 CPU; bfloat16: always;
+# empty: float32), DEVICE (auto: cuda when torch
 # sees a GPU), CKPT_EVERY (25), TIME_LIMIT (seconds: train stops checkpointed and exports; see
 # scripts/gpu_draft_data.sh train; device and checkpoint interval may change on resume), PIDFILE (append this
 # script's pid: started with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as
@@ -47,12 +49,13 @@ if [[ $what == train || $what == all || $what == export ]]; then
   paths=(); for t in "${targets[@]}"; do paths+=("$run/heldout/$(basename "$t").jsonl"); done
   limit=(); [[ -n ${TIME_LIMIT:-} ]] && limit=(--time-limit "$TIME_LIMIT")
   save=$run/drafts/stage5; export=()
+  autocast=(); [[ -n ${AUTOCAST-auto} ]] && autocast=(--autocast "${AUTOCAST-auto}")
   [[ $what == export ]] && { save=$run/resume; resume=(); export=(--export-only); }
   s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$save" \
     --data "$run/sd-multi" "${from[@]}" --layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}" \
     --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
     --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-bfloat16}" --kd-topk 32 --seq-len 256 \
-    --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 \
+    --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 "${autocast[@]}" \
     --warmup 0.02 --val-every 500 --ckpt-every "${CKPT_EVERY:-25}" --val-examples 47 --seed 5 --threads "$threads" \
     --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}" "${resume[@]}" "${limit[@]}" \
     "${export[@]}"

@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import DATA_DIR
+from ..dtypes import resolve_dtype
 from ..core.draft import SortedDraft, default_exits, paper_thresholds
 from ..models import load_model
 from .data import Packed, batches, data_hash, load_examples, pack, visit_order
@@ -73,12 +74,24 @@ class SoftConfig:
     seed: int = 0
     threads: int | None = None
     dtype: str = "float32"
+    autocast: str | None = None  # bfloat16 | auto: the draft's forward and backward under bf16 autocast (fp32 weights)
     limit_examples: int | None = None
     init: str | None = None  # a draft directory to start from (its layers, and its vocabulary if reduced)
     device: str = "auto"  # auto | cpu | cuda (auto: cuda when available); not part of the run's identity on resume
 
     def exits(self) -> list[int]:
         return self.exit_layers or default_exits(self.num_layers)
+
+
+def resolve_autocast(name: str | None, device: torch.device) -> bool:
+    """Whether the draft's steps run under bf16 autocast: `bfloat16` yes, `auto` where bf16 is the fast path on the
+    device (dtypes.resolve_dtype: AVX512-BF16/AMX CPUs, CUDA), None no. Weights, optimiser and losses stay float32;
+    the matmuls run in bf16: ~2x a step on an AVX512-BF16 CPU, losses within ~1e-3 (docs/TRAINING.md)."""
+    if name is None:
+        return False
+    if name not in ("bfloat16", "auto"):
+        raise ValueError(f"autocast must be bfloat16 or auto, got {name!r}")
+    return name == "bfloat16" or resolve_dtype("auto", device.type) == "bfloat16"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,6 +127,7 @@ class Run:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         logger.info("training on %s (--device %s)", self.device, cfg.device)
+        self.autocast = resolve_autocast(cfg.autocast, self.device)
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         dtype = getattr(torch, cfg.dtype)
@@ -240,7 +254,8 @@ class Run:
 
     def loss_on(self, batch: Packed) -> tuple[torch.Tensor, list[float]]:
         exits = self.cfg.exits()
-        out = exit_logits(self.draft.parts, self.draft.layers, batch, exits, self.vocab, self.head_rows)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = exit_logits(self.draft.parts, self.draft.layers, batch, exits, self.vocab, self.head_rows)
         kd = None
         if self.cfg.kd_weight > 0:
             kd = ([c.lookup(batch, self.vocab, self.device) for c in self.kd_caches] if self.kd_caches

@@ -547,6 +547,29 @@ def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, t
             tmp_path / "carry")
 
 
+def test_autocast_runs_the_draft_in_bfloat16_close_to_float32(tmp_path, tiny_llama_dir, monkeypatch):
+    from s2d_ray import dtypes
+    from s2d_ray.train.soft import resolve_autocast
+
+    kw = dict(steps=3, vocab_size=64, train_norm_head=True)
+    fp32 = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
+    bf16 = Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "bf"), autocast="bfloat16", **kw))
+    assert bf16.autocast and not fp32.autocast
+    with torch.no_grad():
+        a, b = fp32.loss_on(fp32.batch_at(0))[0], bf16.loss_on(bf16.batch_at(0))[0]
+    assert not torch.equal(a, b)  # the matmuls really ran in bf16
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    bf16.train(progress=False)
+    assert all(math.isfinite(x) for x in bf16.last_losses) and all(p.dtype == torch.float32 for p in bf16.params)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx2"}))
+    assert not resolve_autocast("auto", cpu) and not resolve_autocast(None, cpu)
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda *a: frozenset({"avx512_bf16"}))
+    assert resolve_autocast("auto", cpu)
+    with pytest.raises(ValueError, match="autocast must be"):
+        resolve_autocast("float16", cpu)
+
+
 def test_unknown_or_missing_device_is_refused(tmp_path, tiny_llama_dir, monkeypatch):
     from s2d_ray.train.soft import resolve_device
 
