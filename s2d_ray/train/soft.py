@@ -34,8 +34,9 @@ from .validate import Validator
 logger = logging.getLogger(__name__)
 CKPT = "checkpoint.pt"
 # Settings a resumed run may change: how long it runs, where (a run moves between machines: checkpoints hold CPU
-# tensors and load onto any device) and how often it checkpoints. None of them changes what a step computes.
-RESUME_MAY_CHANGE = ("steps", "device", "ckpt_every")
+# tensors and load onto any device; its directory, its KD cache's and its thread count are the new machine's) and how
+# often it checkpoints. None of them changes what a step computes (the KD cache checks its own rows and settings).
+RESUME_MAY_CHANGE = ("steps", "device", "ckpt_every", "out", "kd_cache", "threads")
 DEVICES = ("auto", "cpu", "cuda")
 
 

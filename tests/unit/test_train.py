@@ -530,7 +530,9 @@ def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, t
     assert len(list((tmp_path / "cache").rglob("part-*.pt"))) == 4
     shutil.rmtree(tmp_path / "cache")
     (tmp_path / "run" / "checkpoint.pt").unlink()  # a new machine: only what the repo holds came along
-    second = Run(tiny_cfg(tmp_path, tiny_llama_dir, **kw))
+    # ... and it keeps its run and cache elsewhere, with another thread count: still the same run
+    second = Run(tiny_cfg(tmp_path, tiny_llama_dir, **(kw | {"kd_cache": str(tmp_path / "cache2")}), threads=1,
+                      out=str(tmp_path / "moved")))
     assert not second.resume()
     second.resume_from_draft(tmp_path / "carry")
     assert (second.step, second.tokens, second.history) == (first.step, first.tokens, first.history)
@@ -539,8 +541,8 @@ def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, t
     assert second.opt.param_groups[0]["lr"] == pytest.approx(first.opt.param_groups[0]["lr"] / 2)  # rewarm 1 of 2
     second.train(progress=False)
     assert second.step == 8 and all(math.isfinite(x) for x in second.last_losses)
-    assert sorted(p.name for p in (tmp_path / "cache").rglob("part-*.pt")) == [f"part-{c:06d}.pt" for c in range(4, 8)]
-    ck = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert sorted(p.name for p in (tmp_path / "cache2").rglob("part-*.pt")) == [f"part-{c:06d}.pt" for c in range(4, 8)]
+    ck = torch.load(tmp_path / "moved" / "checkpoint.pt", weights_only=False)
     assert ck["rewarm_from"] == 4  # a later resume from the checkpoint keeps the same schedule
     with pytest.raises(ValueError, match="different configuration"):
         Run(tiny_cfg(tmp_path, tiny_llama_dir, out=str(tmp_path / "other"), **(kw | {"lr": 1.0}))).resume_from_draft(
