@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -400,9 +401,18 @@ class Run:
         return manifest
 
 
+PATH_FIELDS = ("data", "onpath_data", "init")  # files the run reads: the same file whether named relative or absolute
+
+
 def _identity(cfg: dict) -> dict:
-    """What must match for a checkpoint to resume: the configuration less RESUME_MAY_CHANGE."""
-    return {k: v for k, v in cfg.items() if k not in RESUME_MAY_CHANGE}
+    """What must match for a checkpoint to resume: the configuration less RESUME_MAY_CHANGE, input paths made
+    absolute (from the working directory: the repository root for the scripts)."""
+    def absolute(v):
+        if isinstance(v, list):
+            return [absolute(x) for x in v]
+        return os.path.abspath(v) if isinstance(v, str) else v
+
+    return {k: absolute(v) if k in PATH_FIELDS else v for k, v in cfg.items() if k not in RESUME_MAY_CHANGE}
 
 
 def export_checkpoint(run_dir: Path, save_dir: Path, command: str, dtype: torch.dtype = torch.bfloat16) -> dict:
