@@ -348,7 +348,7 @@ class Run:
 
     def _check_same_run(self, saved: dict, source: Path) -> None:
         """Fields added after `saved` was written count as equal when this run leaves them at their default;
-        RESUME_MAY_CHANGE (steps, device, checkpoint interval) may differ."""
+        RESUME_MAY_CHANGE may differ, and input paths compare as absolute paths (`_identity`)."""
         defaults = asdict(SoftConfig())
         current = {k: v for k, v in asdict(self.cfg).items() if k in saved or v != defaults[k]}
         if _identity(saved) != _identity(current):
