@@ -14,6 +14,7 @@ With k covering the draft's vocabulary this is exactly the full-logit KD.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -100,11 +101,8 @@ class TopKCache:
     def attach(self, model: torch.nn.Module, chunks_per_forward: int | None = None) -> "TopKCache":
         """Let `lookup` build missing chunks with this model (on its device) when a batch first needs them."""
         self._check_meta()
-        if model.config.vocab_size > 2 * ID_OFFSET:
-            raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
         self.builder = model
-        self.chunks_per_forward = chunks_per_forward or (
-            1 if module_device(model).type == "cpu" else GPU_CHUNKS_PER_FORWARD)
+        self.chunks_per_forward = _chunks_per_forward(model, chunks_per_forward)
         return self
 
     def build(self, model: torch.nn.Module, progress: bool = True, chunks_per_forward: int | None = None,
@@ -116,12 +114,9 @@ class TopKCache:
         the rates in docs/TRAINING.md were measured); elsewhere `chunks_per_forward` chunks (default 16: 64 rows of
         256) share a forward, so a GPU is not bound by launching 30 layers' kernels for 4 rows at a time, and each
         chunk's slice is written as its own part as before."""
-        if model.config.vocab_size > 2 * ID_OFFSET:
-            raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
+        chunks_per_forward = _chunks_per_forward(model, chunks_per_forward)
         todo = self.missing() if chunks is None else [c for c in chunks if not self._part(c).exists()]
         full = SubVocab(None, model.config.vocab_size)
-        if chunks_per_forward is None:
-            chunks_per_forward = 1 if module_device(model).type == "cpu" else GPU_CHUNKS_PER_FORWARD
         bar = tqdm(total=len(todo), desc=f"KD cache {self.meta['target']}", disable=not progress or not todo)
         for g in range(0, len(todo), chunks_per_forward):
             group = todo[g : g + chunks_per_forward]
@@ -157,9 +152,10 @@ class TopKCache:
         if not self._part(c).exists():
             if self.builder is None:
                 raise ValueError(f"KD cache {self.directory} is incomplete; build it first")
-            ahead = [d for d in self._chunks()[c + 1 :] if d not in self._parts and not self._part(d).exists()]
+            # Off the CPU, the next missing chunks share the forward (stop at the first ones: no scan of the rest).
+            ahead = (d for d in self._chunks()[c + 1 :] if d not in self._parts and not self._part(d).exists())
             self.build(self.builder, progress=False, chunks_per_forward=self.chunks_per_forward,
-                       chunks=[c] + ahead[: self.chunks_per_forward - 1])
+                       chunks=[c, *itertools.islice(ahead, self.chunks_per_forward - 1)])
         p = torch.load(self._part(c))
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), p["counts"].cumsum(0)])
         self._parts[c] = {"values": p["values"], "ids": p["ids"], "offsets": offsets}
@@ -200,6 +196,14 @@ class TopKCache:
             ids.append(part["ids"][lo:hi])
         values, ids = torch.cat(values).to(device), torch.cat(ids).to(device)
         return TopK.of(values.float(), ids.long() + ID_OFFSET, vocab)
+
+
+def _chunks_per_forward(model: torch.nn.Module, asked: int | None) -> int:
+    """Chunks per target forward for `model` (refusing a vocabulary 16-bit ids cannot hold): `asked`, else one on the
+    CPU and GPU_CHUNKS_PER_FORWARD elsewhere."""
+    if model.config.vocab_size > 2 * ID_OFFSET:
+        raise ValueError(f"KD cache stores ids as 16 bits; vocabulary {model.config.vocab_size} is too large")
+    return asked or (1 if module_device(model).type == "cpu" else GPU_CHUNKS_PER_FORWARD)
 
 
 def target_cache_dir(root: Path, target: str) -> Path:
