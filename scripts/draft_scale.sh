@@ -18,6 +18,12 @@
 # scripts/gpu_draft_data.sh train; device and checkpoint interval may change on resume), PIDFILE (append this
 # script's pid: started with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as
 # /work/notes/quiet.sh does).
+#   scripts/draft_scale.sh RUN_DIR finish   after `train`: calibrate RUN_DIR/drafts/stage5 for every target in each
+#     of CAL_DTYPES ("bfloat16 float32"; profiles in its calibration/, named as --calibration auto looks them up),
+#     then Spec-Bench per target in BENCH_DTYPE (bfloat16), PER_CATEGORY (2) questions a category, 128 tokens:
+#     ar, each fixed exit and adaptive s2d side by side (RUN_DIR/bench/<target>), the "adaptive beats every fixed
+#     exit" check; BENCH_ARGS: more `s2d bench spec` flags. Run it alone on the machine (under quiet.sh): it times
+#     things.
 # Dry run with tiny random models (seconds): see docs/TRAINING.md, "Scaling up".
 set -euo pipefail
 [[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
@@ -59,4 +65,22 @@ if [[ $what == train || $what == all || $what == export ]]; then
     --warmup 0.02 --val-every 500 --ckpt-every "${CKPT_EVERY:-25}" --val-examples 47 --seed 5 --threads "$threads" \
     --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}" "${resume[@]}" "${limit[@]}" \
     "${export[@]}"
+fi
+if [[ $what == finish ]]; then
+  draft=$run/drafts/stage5
+  [[ -f $draft/MANIFEST.json ]] || { echo "no draft in $draft: run train (it saves there when it ends)" >&2; exit 1; }
+  mkdir -p "$draft/calibration"
+  for t in "${targets[@]}"; do
+    name=$(basename "$t")
+    for dt in ${CAL_DTYPES:-bfloat16 float32}; do
+      sfx=$([[ $dt == float32 ]] || echo ".$dt")
+      s2d calibrate --target "$t" --draft "$draft" --paths "$run/heldout/$name.jsonl" --dtype "$dt" \
+        --calibration off --out "$draft/calibration/$name$sfx.json" --threads "$threads"
+    done
+    methods=hf-generate,ar,hf-prompt-lookup; IFS=, read -r -a ex <<< "${EXITS:-2,4,6}"
+    for e in "${ex[@]}"; do methods+=",exit:$e"; done; methods+=",s2d"
+    s2d bench spec --target "$t" --draft "$draft" --dtype "${BENCH_DTYPE:-bfloat16}" --threads "$threads" \
+      --per-category "${PER_CATEGORY:-2}" --max-new-tokens 128 --methods "$methods" --out "$run/bench/$name" \
+      ${BENCH_ARGS:-}
+  done
 fi
