@@ -132,18 +132,25 @@ def plan_kv_groups(lengths: list[int], overhead: int | None = None) -> list[list
     if n < 2:
         return None
     order = sorted(range(n), key=lambda i: lengths[i])
-    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sorted rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = lengths[order[j - 1]]
-        for i in range(j):
-            cost = best[i] + overhead + (j - i) * longest
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
+    # Cuts only between runs of equal length: moving a run's row from the next group into the one that ends with its
+    # length adds that length there and saves the next group's longest (>= it). So the search is over distinct
+    # lengths (m^2, not n^2: thousands of rows of one prompt are one run).
+    ends = [0] + [j for j in range(1, n + 1) if j == n or lengths[order[j]] != lengths[order[j - 1]]]
+    m = len(ends) - 1
+    if m == 1:
+        return None
+    best = [0.0] + [float("inf")] * m  # best[b]: cost of the rows in the first b runs
+    cut = [0] * (m + 1)
+    for b in range(1, m + 1):
+        j, longest = ends[b], lengths[order[ends[b] - 1]]
+        for a in range(b):
+            cost = best[a] + overhead + (j - ends[a]) * longest
+            if cost < best[b]:
+                best[b], cut[b] = cost, a
+    groups, b = [], m
+    while b > 0:
+        groups.append(order[ends[cut[b]]:ends[b]])
+        b = cut[b]
     return None if len(groups) == 1 else groups[::-1]
 
 

@@ -310,18 +310,27 @@ class RowTable:
         state.tokens = state.tokens[: tree.start] + [tree.tokens[i] for i in path]
         state.filled = [tree.start + len(path) if f >= tree.start else f for f in state.filled]
 
-    def fork(self, seq_id: str, limit: int) -> int:
-        """Give a sequence with no KV yet the longest prefix of its tokens that another live row holds, at most
-        `limit` positions: one copy per layer instead of a prefill (n choices of one prompt, a shared system prompt).
-        Returns the positions it now holds (0: nothing shared)."""
+    def holders(self) -> list[RowState]:
+        """The rows holding KV: where `fork` looks (taken once for a batch of forks, not once per fork: a forked row
+        holds a prefix of its source, never more)."""
+        return [state for state in self.states.values() if state.filled and state.filled[0] > 0]
+
+    def fork(self, seq_id: str, limit: int, among: list[RowState] | None = None) -> int:
+        """Give a sequence with no KV yet the longest prefix of its tokens that another live row holds (of `among`,
+        default every row), at most `limit` positions: one copy per layer instead of a prefill (n choices of one
+        prompt, a shared system prompt). Returns the positions it now holds (0: nothing shared)."""
         state = self.states[seq_id]
         if any(state.filled):
             return 0
         src, shared = None, 0
-        for other_id, other in self.states.items():
-            n = min(self.cached_prefix(other_id, state.tokens), limit) if other is not state else 0
+        for other in self.states.values() if among is None else among:  # fewer positions than found cannot do better
+            if other is state or not other.filled or other.filled[0] <= shared:
+                continue
+            n = min(other.filled[0], common_prefix(other.tokens, state.tokens), limit)
             if n > shared:
                 src, shared = other, n
+                if shared >= limit:  # n choices of one prompt: the first row that holds it ends the search
+                    break
         if src is None:
             return 0
         self.cache.copy_prefix(src.row, state.row, shared)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .cache import causal_allowed
-from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, common_prefix, decoder_parts,
+from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, decoder_parts,
                     length_groups, pending_grid)
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
@@ -74,9 +74,11 @@ class TargetVerifier:
         picked: list[torch.Tensor | None] = [None] * len(requests)
         batches = fork_order(requests, starts) if self.share_prefixes else [list(range(len(requests)))]
         for batch in batches:  # rows sharing a new prompt: after it is computed
-            for i in batch:
-                if starts[i] == 0 and self.share_prefixes:
-                    starts[i] = self.table.fork(requests[i].seq_id, len(requests[i].tokens) - requests[i].num_logits)
+            new = [i for i in batch if starts[i] == 0] if self.share_prefixes else []
+            holders = self.table.holders() if new else []
+            for i in new if holders else []:
+                starts[i] = self.table.fork(requests[i].seq_id, len(requests[i].tokens) - requests[i].num_logits,
+                                            among=holders)
             for sub_group in length_groups([ends[i] - starts[i] + 1 for i in batch]):  # prompts apart from decode rows
                 group = [batch[j] for j in sub_group]
                 hidden = self._forward_chunked([requests[i] for i in group], [states[i] for i in group],
@@ -166,11 +168,15 @@ def fork_order(requests: list[ScoreRequest], starts: list[int], min_shared: int 
 
     The wait costs one more forward, so shorter shared prefixes are computed twice instead."""
     first, later = [], []
+    heads: set[tuple[int, ...]] = set()  # first min_shared tokens of the new rows in `first`
     for i, req in enumerate(requests):
         limit = len(req.tokens) - req.num_logits
-        shares = starts[i] == 0 and limit >= min_shared and any(
-            starts[j] == 0 and min(common_prefix(req.tokens, requests[j].tokens), limit) >= min_shared for j in first)
+        head = tuple(req.tokens[:min_shared])
+        # Sharing >= min_shared positions (within limit >= min_shared) is having the same first min_shared tokens.
+        shares = starts[i] == 0 and limit >= min_shared and head in heads
         (later if shares else first).append(i)
+        if not shares and starts[i] == 0 and len(head) == min_shared:
+            heads.add(head)
     return [first, later] if later else [first]
 
 

@@ -97,11 +97,11 @@ def test_kv_groups_attend_each_row_over_its_own_slots_and_equal_one_group():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_kv_group_plan_is_the_cheapest_split(seed):
-    """The planner's groups cost no more than any split of the length-sorted rows (brute force), and cover every
-    row once; equal lengths or a high overhead keep one group (None)."""
+    """The planner's groups cost no more than any split of the length-sorted rows (brute force, cuts inside runs of
+    equal length included), and cover every row once; equal lengths or a high overhead keep one group (None)."""
     gen = torch.Generator().manual_seed(seed)
     n = int(torch.randint(2, 7, (1,), generator=gen))
-    lengths = torch.randint(1, 900, (n,), generator=gen).tolist()
+    lengths = torch.randint(1, 900 if seed % 2 else 4, (n,), generator=gen).tolist()  # odd seeds: runs of one length
     overhead = int(torch.randint(0, 1500, (1,), generator=gen))
 
     def cost(groups):

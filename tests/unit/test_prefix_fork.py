@@ -9,6 +9,7 @@ from core_fixtures import noisy_draft, tiny_target
 from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.policy import FixedK
+from s2d_ray.core.stack import FREE_WIDTH
 from s2d_ray.core.target import TargetVerifier, fork_order
 from s2d_ray.core.types import SamplingParams, ScoreRequest
 from test_trees import tree_engine
@@ -63,6 +64,13 @@ def test_short_or_scored_prompts_are_computed_in_one_forward():
     assert fork_order(same, [0, 0], min_shared=PROMPT_LEN) == [[0, 1]]  # too short to pay for a second forward
     echo = [ScoreRequest(f"c{i}", p, PROMPT_LEN) for i in range(2)]  # every position's logits wanted: nothing shared
     assert fork_order(echo, [0, 0]) == [[0, 1]]
+    a, b = prompt(5), prompt(6)
+    mixed = [ScoreRequest("x", a, 1), ScoreRequest("y", b, 1), ScoreRequest("z", a[:FREE_WIDTH] + b, 1),
+             ScoreRequest("w", b, 1)]
+    assert fork_order(mixed, [0, 0, 0, 0]) == [[0, 1], [2, 3]]  # z shares x's first FREE_WIDTH tokens, w all of y's
+    assert fork_order(mixed, [5, 0, 0, 0]) == [[0, 1, 2], [3]]  # x holds KV already: it is no new prompt to wait for
+    short = [ScoreRequest("x", a, 1), ScoreRequest("z", a[:FREE_WIDTH - 1] + b, 1)]
+    assert fork_order(short, [0, 0]) == [[0, 1]]  # one token short of FREE_WIDTH shared
 
 
 @pytest.mark.parametrize("kind", ["ar", "s2d", "tree"])
