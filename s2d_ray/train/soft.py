@@ -146,7 +146,7 @@ class Run:
         self.vocab = SubVocab(picked, self.target.model.config.vocab_size)
         self.draft, self.params = self._make_draft()
         if init is not None:
-            self._load_init(init)
+            self._load_init(init, grow=True)
         self._place()
         self.kd_caches = self._kd_caches()
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -224,12 +224,19 @@ class Run:
             params += list(draft.parts.norm.parameters()) + [self.head_rows]
         return draft, params
 
-    def _load_init(self, init: SortedDraft) -> None:
-        """Start from a saved draft (e.g. a first training stage); exits and layer count must match."""
-        if init.spec.num_layers != self.cfg.num_layers:
-            raise ValueError(f"--init draft has {init.spec.num_layers} layers, this run {self.cfg.num_layers}")
+    def _load_init(self, init: SortedDraft, grow: bool = False) -> None:
+        """Start from a saved draft (e.g. a first training stage). With `grow`, a shallower draft is the first
+        layers of a deeper one (the rest stay copies of the target's next layers, as a fresh run makes them): a
+        deeper draft then starts from what the trained one learnt instead of from the target's cut."""
+        have, want = init.spec.num_layers, self.cfg.num_layers
+        if have != want and not (grow and have < want):
+            more = " (it may have fewer)" if grow else ""
+            raise ValueError(f"--init draft has {have} layers, this run {want}{more}")
         state = {k: v.float() for k, v in init.layers.state_dict().items()}
-        self.draft.layers.load_state_dict(state)
+        missing, unexpected = self.draft.layers.load_state_dict(state, strict=False)
+        if unexpected or any(int(key.split(".", 1)[0]) < have for key in missing):
+            raise ValueError(f"--init draft's layers do not fit this run's: unexpected {unexpected[:3]}, "
+                             f"missing {missing[:3]}")
         if self.head_rows is not None and init.spec.trained_norm_head:
             self.draft.parts.norm.load_state_dict(init.parts.norm.state_dict())
             self.head_rows.data.copy_(self.vocab.head_weight(init.parts.head).float())

@@ -301,6 +301,34 @@ def test_export_from_checkpoint_equals_the_saved_draft(tmp_path, tiny_llama_dir)
     assert manifest["steps"] == 2
 
 
+def test_a_deeper_draft_grows_from_a_trained_shallower_one(tmp_path):
+    """--init with fewer layers than the run: its layers (and trained norm and head rows) come first, the target's
+    next layer after; a deeper --init is refused. Item 2 of issue 16 (a deeper draft) starts from the trained one."""
+    from s2d_ray.core.draft import SortedDraft
+    from s2d_ray.models import load_model
+
+    target_dir = save_tiny_llama(tmp_path / "tiny3", num_layers=3)
+    small = Run(tiny_cfg(tmp_path, target_dir, out=str(tmp_path / "run_a"), steps=3, vocab_size=40,
+                         train_norm_head=True))
+    small.train(progress=False)
+    small.save_draft(tmp_path / "small", "cmd", dtype=torch.float32)
+    deep = Run(tiny_cfg(tmp_path, target_dir, out=str(tmp_path / "run_b"), steps=1, num_layers=3,
+                        exit_layers=[1, 2, 3], vocab_size=40, train_norm_head=True, init=str(tmp_path / "small")))
+    target = load_model(str(target_dir)).model
+    for i, layer in enumerate(deep.draft.layers):
+        source = small.draft.layers[i] if i < 2 else target.model.layers[i]
+        mine, ref = layer.state_dict(), source.state_dict()
+        assert all(torch.equal(mine[k].float(), ref[k].float()) for k in ref), i
+    trained, cut = small.draft.layers[0].self_attn.q_proj.weight, target.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(trained, cut)  # the first layers are the trained ones, not the target's
+    torch.testing.assert_close(deep.head_rows, small.head_rows)
+    deep.save_draft(tmp_path / "deep", "cmd", dtype=torch.float32)
+    with pytest.raises(ValueError, match="3 layers, this run 2"):
+        Run(tiny_cfg(tmp_path, target_dir, out=str(tmp_path / "run_c"), steps=1, vocab_size=40,
+                     init=str(tmp_path / "deep")))
+    assert SortedDraft.load(tmp_path / "deep", target).spec.num_layers == 3
+
+
 def test_topk_kd_equals_full_kd_restricted_to_the_top_k():
     """The cached loss is the full-logit KD of the target renormalised over its top-k ids in the draft vocabulary:
     exact when k covers the vocabulary, and a direct sum over those ids otherwise."""
