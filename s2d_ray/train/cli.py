@@ -77,7 +77,8 @@ def _register_train(sub) -> None:
     p.add_argument("--autocast", default=None, choices=["bfloat16", "auto"],
                    help="the draft's forward and backward under bf16 autocast, weights and losses in float32 (auto: "
                         "where bf16 is the fast path: AVX512-BF16/AMX CPUs, CUDA); ~2x a step on such a CPU")
-    p.add_argument("--init", default=None, help="start from this draft directory (e.g. an earlier stage)")
+    p.add_argument("--init", default=None, help="start from this draft directory (e.g. an earlier stage; it may have "
+                   "fewer layers than --layers: a deeper draft grows from it, the target's next layers after)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--resume-draft", default=None, metavar="DIR",
                    help="with --resume, where --out holds no checkpoint (another machine): continue from this draft "
