@@ -138,7 +138,12 @@ def run_target(target_name: str, target: LoadedModel, methods: list[Method], que
     if len(set(names)) != len(names):
         raise ConfigError(f"method names repeat: {names}")
     tok = target.tokenizer
-    warm_prompt = encode_messages(tok, [{"role": "user", "content": questions[0].turns[0]}])
+    # A turn whose prompt and new tokens do not fit the target's context is skipped (with the question's later
+    # turns, which build on its answer) for every method alike, not the run aborted minutes in.
+    context = getattr(target.model.config, "max_position_embeddings", None)
+    warm_prompt = min((encode_messages(tok, [{"role": "user", "content": q.turns[0]}]) for q in questions), key=len)
+    if context is not None:
+        warm_prompt = warm_prompt[-max(1, context // 2):]
     for m in methods:  # warm-up: allocations, caches, lazy inits; never timed
         m.generate(warm_prompt, min(run.warmup_tokens, run.max_new_tokens), run.params)
     total = sum(len(q.turns) for q in questions) * len(methods)
@@ -149,6 +154,12 @@ def run_target(target_name: str, target: LoadedModel, methods: list[Method], que
             for turn, text in enumerate(q.turns):
                 conversation.append({"role": "user", "content": text})
                 prompt = encode_messages(tok, conversation)
+                if context is not None and len(prompt) + run.max_new_tokens > context:
+                    logger.warning("%s: q%s turn %d skipped (and its later turns): %d prompt tokens + %d new exceed "
+                                   "the %d-token context", target_name, q.question_id, turn + 1, len(prompt),
+                                   run.max_new_tokens, context)
+                    bar.update(len(methods) * (len(q.turns) - turn))
+                    break
                 order = methods[qi % len(methods):] + methods[: qi % len(methods)]
                 outs = {}
                 for m in order:

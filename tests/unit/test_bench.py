@@ -71,6 +71,27 @@ def test_spec_bench_end_to_end_on_a_tiny_model(tiny_dir, questions_file, tmp_pat
     assert "### " in (out / "tables.md").read_text() and "| s2d |" in capsys.readouterr().out
 
 
+def test_spec_bench_skips_turns_longer_than_the_context(tiny_dir, tmp_path, caplog):
+    """A question that does not fit the target's 512-token context is skipped with a warning (its later turns too),
+    for every method; the others run. Before, the whole run stopped at it with an error."""
+    long = {"question_id": 302, "category": "summarization", "turns": ["Summarize: " + "the fox jumps. " * 200]}
+    second = {"question_id": 83, "category": "writing", "turns": ["Write a haiku.", "Again, " + "longer " * 600]}
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [ROWS[0], long, second, ROWS[4]]) + "\n")
+    out = tmp_path / "out"
+    with caplog.at_level("WARNING"):
+        rc = main(["bench", "spec", "--target", str(tiny_dir), "--draft", f"cut:{tiny_dir}:3", "--questions",
+                   str(path), "--methods", "hf-generate,ar,s2d", "--max-new-tokens", "8", "--dtype", "float64",
+                   "--threads", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    done = sorted({(r["question_id"], r["turn"]) for r in records})
+    assert done == [(81, 1), (81, 2), (83, 1), (401, 1)]  # q302 skipped, and q83's second turn
+    assert len(records) == 4 * 3
+    skipped = [m for m in caplog.messages if "skipped" in m]
+    assert len(skipped) == 2 and "q302 turn 1" in skipped[0] and "q83 turn 2" in skipped[1]
+
+
 def _rec(method, qid, tokens, seconds, forwards=None, drafted=None, accepted=None, exits=None, task="qa", turn=1):
     return {"target": "t", "method": method, "question_id": qid, "task": task, "turn": turn, "new_tokens": tokens,
             "seconds": seconds, "num_target_forwards": forwards, "num_draft_tokens": drafted,
