@@ -232,6 +232,10 @@ class RowState:
     filled: list[int] = field(default_factory=list)  # per segment: positions [0, filled) hold KV
     tree: PendingTree | None = None  # the last verified tree, compacted on the next sync
 
+    def held_prefix(self, tokens: list[int]) -> int:
+        """How many leading positions of `tokens` this row holds KV for (first segment)."""
+        return min(self.filled[0], common_prefix(self.tokens, tokens)) if self.filled else 0
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -326,7 +330,7 @@ class RowTable:
         for other in self.states.values() if among is None else among:  # fewer positions than found cannot do better
             if other is state or not other.filled or other.filled[0] <= shared:
                 continue
-            n = min(other.filled[0], common_prefix(other.tokens, state.tokens), limit)
+            n = min(other.held_prefix(state.tokens), limit)
             if n > shared:
                 src, shared = other, n
                 if shared >= limit:  # n choices of one prompt: the first row that holds it ends the search
@@ -341,9 +345,7 @@ class RowTable:
     def cached_prefix(self, seq_id: str, tokens: list[int]) -> int:
         """How many leading positions of `tokens` already hold KV here in the first segment (0 for an unknown id)."""
         state = self.states.get(seq_id)
-        if state is None or not state.filled:
-            return 0
-        return min(state.filled[0], common_prefix(state.tokens, tokens))
+        return 0 if state is None else state.held_prefix(tokens)
 
     def _take_row(self) -> int:
         if self._free:
