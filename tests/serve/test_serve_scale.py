@@ -157,19 +157,16 @@ AUTOSCALE_APP = "autoscale"
 FAST = {"metrics_interval_s": 0.5, "look_back_period_s": 2.0, "upscale_delay_s": 1.0, "downscale_delay_s": 6.0}
 
 
-def replica_counts(app: str, states: tuple[str, ...] = ("RUNNING",)) -> dict[str, int]:
+def deployment_statuses(app: str) -> dict:
     from ray import serve
 
-    deployments = serve.status().applications[app].deployments
+    return serve.status().applications[app].deployments
+
+
+def replica_counts(app: str, states: tuple[str, ...] = ("RUNNING",), deployments: dict | None = None) -> dict[str, int]:
+    """Replicas per deployment in these states (of `deployments`, one serve.status() already read, if given)."""
+    deployments = deployment_statuses(app) if deployments is None else deployments
     return {name: sum(d.replica_states.get(s, 0) for s in states) for name, d in deployments.items()}
-
-
-def deployment_messages(app: str) -> dict[str, str]:
-    """Each deployment's status and message (why it is upscaling, or why a replica has not started)."""
-    from ray import serve
-
-    deployments = serve.status().applications[app].deployments
-    return {name: f"{d.status}: {d.message}" for name, d in deployments.items() if d.message}
 
 
 BUSY_TARGET = 0.1
@@ -220,16 +217,19 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
 
         def watch() -> None:
             while not stop.is_set():
-                for name, n in replica_counts(AUTOSCALE_APP).items():
+                deployments = deployment_statuses(AUTOSCALE_APP)  # one read per sample
+                for name, n in replica_counts(AUTOSCALE_APP, deployments=deployments).items():
                     peak[name] = max(peak.get(name, 0), n)
                     if n >= 2 and name not in reached:
                         reached[name] = round(time.monotonic() - started, 1)
-                for name, n in replica_counts(AUTOSCALE_APP, ("RUNNING", "STARTING", "PENDING_MIGRATION")).items():
+                starting = ("RUNNING", "STARTING", "PENDING_MIGRATION")
+                for name, n in replica_counts(AUTOSCALE_APP, starting, deployments).items():
                     asked[name] = max(asked.get(name, 0), n)
                     if n >= 2 and name not in decided:
                         decided[name] = round(time.monotonic() - started, 1)
-                for name, m in deployment_messages(AUTOSCALE_APP).items():
-                    messages.setdefault(name, set()).add(m[:200])
+                for name, d in deployments.items():  # why it is upscaling, or why a replica has not started
+                    if d.message:
+                        messages.setdefault(name, set()).add(f"{d.status}: {d.message}"[:200])
                 try:  # a router replica going away mid-call is expected here
                     draft = app.handle.stats.remote().result(timeout_s=5)["draft"]
                     busy[phase[0]] = max(busy[phase[0]], draft.get("busy_fraction", 0.0))
