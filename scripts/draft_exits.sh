@@ -17,15 +17,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 run=${1:?RUN_DIR}; shift
 variants=("$@"); [[ ${#variants[@]} -gt 0 ]] || variants=(base weights distill deep)
-py=${PYTHON:-/work/main/.venv/bin/python}
-threads=${THREADS:-1}
-read -r -a targets <<< "${TARGETS:-smollm2-135m-instruct smollm2-135m-gsm8k}"
+source scripts/draft_common.sh
 init=${INIT:-}; [[ -z $init && -f $run/drafts/stage5/MANIFEST.json ]] && init=$run/drafts/stage5
 init=${init:-s2d_ray/assets/drafts/smollm2-135m-s2d}
 steps=${STEPS:-1000}
-s2d() { PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m s2d_ray.cli -v "$@"; }
-paths=(); for t in "${targets[@]}"; do paths+=("$run/heldout/$(basename "$t").jsonl"); done
-autocast=(); [[ -n ${AUTOCAST-auto} ]] && autocast=(--autocast "${AUTOCAST-auto}")
 for v in "${variants[@]}"; do
   case $v in
     base) shape=(--layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}") ;;
@@ -37,18 +32,11 @@ for v in "${variants[@]}"; do
   out=$run/exits/$v
   if [[ ! -f $out/draft/MANIFEST.json ]]; then
     resume=(); [[ -f $out/run/checkpoint.pt ]] && resume=(--resume)
-    s2d train-draft --target "${targets[0]}" --out "$out/run" --save "$out/draft" --data "$run/sd-multi" \
-      --init "$init" "${shape[@]}" --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
-      --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-bfloat16}" --kd-topk 32 --seq-len 256 \
-      --batch-size 2 --steps "$steps" --lr 3e-4 "${autocast[@]}" --warmup 0.05 --val-every "$steps" \
-      --ckpt-every 50 --val-examples 47 --seed 5 --threads "$threads" --no-progress --device "${DEVICE:-auto}" \
-      --onpath-data "${paths[@]}" "${resume[@]}"
+    s2d train-draft "${recipe[@]}" --out "$out/run" --save "$out/draft" --init "$init" "${shape[@]}" \
+      --steps "$steps" --warmup 0.05 --val-every "$steps" --ckpt-every 50 "${resume[@]}"
   fi
-  dt=${CAL_DTYPE:-bfloat16}; sfx=$([[ $dt == float32 ]] || echo ".$dt")
   for t in "${targets[@]}"; do
-    name=$(basename "$t"); profile=$out/draft/calibration/$name$sfx.json
-    [[ -f $profile ]] || s2d calibrate --target "$t" --draft "$out/draft" --paths "$run/heldout/$name.jsonl" \
-      --dtype "$dt" --calibration off --out "$profile" --threads "$threads"
+    [[ -f $(profile "$out/draft" "$t" "${CAL_DTYPE:-bfloat16}") ]] || calibrate "$out/draft" "$t" "${CAL_DTYPE:-bfloat16}"
   done
 done
 "$py" - "$run/exits" "${CAL_DTYPE:-bfloat16}" "${variants[@]}" <<'EOF'

@@ -29,13 +29,10 @@ set -euo pipefail
 [[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
 cd "$(dirname "$0")/.."
 run=${1:?RUN_DIR}; what=${2:-all}
-py=${PYTHON:-/work/main/.venv/bin/python}
-threads=${THREADS:-1}
-read -r -a targets <<< "${TARGETS:-smollm2-135m-instruct smollm2-135m-gsm8k}"
+source scripts/draft_common.sh
 init=${INIT-s2d_ray/assets/drafts/smollm2-135m-s2d}
 data=(); [[ -n ${DATA:-} ]] && data=(--data "$DATA")
 num=(); [[ -n ${NUM:-} ]] && num=(--num "$NUM")
-s2d() { PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m s2d_ray.cli -v "$@"; }
 mkdir -p "$run/heldout"
 if [[ $what == gen || $what == all ]]; then
   s2d self-distill --target "${targets[@]}" --out "$run/sd-multi" "${data[@]}" "${num[@]}" --batch-size 32 --max-new-tokens 256 \
@@ -52,31 +49,19 @@ if [[ $what == train || $what == all || $what == export ]]; then
   resume=(); [[ -f $run/stage5/checkpoint.pt || -f $run/resume/MANIFEST.json ]] && resume=(--resume)
   [[ -f $run/resume/MANIFEST.json ]] && resume+=(--resume-draft "$run/resume")
   from=(); [[ -n $init ]] && from=(--init "$init")
-  paths=(); for t in "${targets[@]}"; do paths+=("$run/heldout/$(basename "$t").jsonl"); done
   limit=(); [[ -n ${TIME_LIMIT:-} ]] && limit=(--time-limit "$TIME_LIMIT")
   save=$run/drafts/stage5; export=()
-  autocast=(); [[ -n ${AUTOCAST-auto} ]] && autocast=(--autocast "${AUTOCAST-auto}")
   [[ $what == export ]] && { save=$run/resume; resume=(); export=(--export-only); }
-  s2d train-draft --target "${targets[0]}" --out "$run/stage5" --save "$save" \
-    --data "$run/sd-multi" "${from[@]}" --layers "${LAYERS:-6}" --exits "${EXITS:-2,4,6}" \
-    --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0 --train-norm-head \
-    --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-bfloat16}" --kd-topk 32 --seq-len 256 \
-    --batch-size 2 --steps "${STEPS:-10000}" --lr 3e-4 "${autocast[@]}" \
-    --warmup 0.02 --val-every 500 --ckpt-every "${CKPT_EVERY:-25}" --val-examples 47 --seed 5 --threads "$threads" \
-    --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}" "${resume[@]}" "${limit[@]}" \
-    "${export[@]}"
+  s2d train-draft "${recipe[@]}" --out "$run/stage5" --save "$save" "${from[@]}" --layers "${LAYERS:-6}" \
+    --exits "${EXITS:-2,4,6}" --steps "${STEPS:-10000}" --warmup 0.02 --val-every 500 \
+    --ckpt-every "${CKPT_EVERY:-25}" "${resume[@]}" "${limit[@]}" "${export[@]}"
 fi
 if [[ $what == finish ]]; then
   draft=$run/drafts/stage5
   [[ -f $draft/MANIFEST.json ]] || { echo "no draft in $draft: run train (it saves there when it ends)" >&2; exit 1; }
-  mkdir -p "$draft/calibration"
   for t in "${targets[@]}"; do
     name=$(basename "$t")
-    for dt in ${CAL_DTYPES:-bfloat16 float32}; do
-      sfx=$([[ $dt == float32 ]] || echo ".$dt")
-      s2d calibrate --target "$t" --draft "$draft" --paths "$run/heldout/$name.jsonl" --dtype "$dt" \
-        --calibration off --out "$draft/calibration/$name$sfx.json" --threads "$threads"
-    done
+    for dt in ${CAL_DTYPES:-bfloat16 float32}; do calibrate "$draft" "$t" "$dt"; done
     methods=hf-generate,ar,hf-prompt-lookup; IFS=, read -r -a ex <<< "${EXITS:-2,4,6}"
     for e in "${ex[@]}"; do methods+=",exit:$e"; done; methods+=",s2d"
     s2d bench spec --target "$t" --draft "$draft" --dtype "${BENCH_DTYPE:-bfloat16}" --threads "$threads" \
