@@ -263,7 +263,7 @@ def parse_shape(shape: str) -> dict:
     """`s2d:<shape>` rows force speculation settings over the profile's, `+`-joined: `chain` (width 1, no lookup),
     `tree` / `tree<W>` (width 4 / W), `lookup`, `nolookup`, `auto` / `fixed` / `heuristic` (policy), `k<N>`, `n<N>`
     (max nodes), `f<N>` (frontier nodes expanded per depth), `lc<N>` (lookup continuations), `lb<N>` (tokens per
-    lookup branch). `lookup:<shape>` rows take the lookup parts."""
+    lookup branch). `lookup:<shape>` rows take the lookup parts; `exit:<L>:<shape>` rows the same at one fixed exit."""
     out: dict = {}
     for part in shape.split("+"):
         if part == "chain":
@@ -315,15 +315,18 @@ def make_methods(names: list[str], cfg: EngineConfig, target: LoadedModel) -> li
             other = HFGenerate(copy.deepcopy(target.model).to(DTYPES[arg]), eos)
             other.name = name
             methods.append(other)
-        elif name in ("ar", "s2d", "lookup") or head == "exit":
+        elif name in ("ar", "s2d", "lookup") or (head == "exit" and ":" not in arg):
             methods.append(EngineMethod(with_mode(cfg, name), target, eos))
-        elif head in ("s2d", "lookup") and arg:
-            spec = cfg.spec.model_copy(update={"mode": head, **parse_shape(arg)})
+        elif head in ("s2d", "lookup", "exit") and arg:
+            # exit:<L>:<shape> is the fixed-exit twin of s2d:<shape> (the adaptive exits against each single one,
+            # on the same tree and lookup settings)
+            layer, _, shape = arg.partition(":") if head == "exit" else ("", "", arg)
+            spec = with_mode(cfg, f"exit:{layer}" if layer else head).spec.model_copy(update=parse_shape(shape))
             method = EngineMethod(cfg.model_copy(update={"spec": spec}), target, eos)
             method.name = name
             methods.append(method)
         else:
             raise ConfigError(f"unknown method {name!r}; known: hf-generate[:<dtype>], ar, s2d, s2d:<shape> (e.g. "
-                              "s2d:tree4+lookup+auto+k2+n12, s2d:chain), lookup, exit:<L>, hf-assisted[:heuristic], "
+                              "s2d:tree4+lookup+auto+k2+n12, s2d:chain), lookup, exit:<L>[:<shape>], hf-assisted[:heuristic], "
                               "hf-early-exit[:<L>], hf-prompt-lookup")
     return methods

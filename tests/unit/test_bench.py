@@ -71,6 +71,27 @@ def test_spec_bench_end_to_end_on_a_tiny_model(tiny_dir, questions_file, tmp_pat
     assert "### " in (out / "tables.md").read_text() and "| s2d |" in capsys.readouterr().out
 
 
+def test_shaped_rows_fix_an_exit_under_the_same_tree_and_stay_exact(tiny_dir, questions_file, tmp_path):
+    """`exit:<L>:<shape>` is `s2d:<shape>` at one fixed exit: the adaptive draft against each single exit on the same
+    tree and lookup settings. Every row equals plain decoding in float64; the fixed rows draft only at their exit."""
+    out = tmp_path / "out"
+    shape = "tree3+lookup+fixed+k2"
+    names = ["hf-generate", f"exit:1:{shape}", f"exit:3:{shape}", f"s2d:{shape}"]
+    base = ["bench", "spec", "--target", str(tiny_dir), "--draft", f"cut:{tiny_dir}:3", "--questions",
+            str(questions_file), "--per-category", "1", "--max-new-tokens", "10", "--dtype", "float64",
+            "--threads", "1", "--no-progress", "--out", str(out)]
+    assert main(base + ["--methods", ",".join(names)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["methods"][str(tiny_dir)] == names
+    overall = data["summary"][str(tiny_dir)]["overall"]
+    for name in names[1:]:  # against hf-generate, the baseline
+        assert overall[name]["checked"] == 7 and overall[name]["equal"] == 7, name
+    drafted_at = {name: set(overall[name]["exit_usage"]) - {"0"} for name in names[1:]}  # "0": lookup nodes
+    assert drafted_at == {f"exit:1:{shape}": {"1"}, f"exit:3:{shape}": {"3"}, f"s2d:{shape}": {"3"}}
+    # (the random draft is never confident, so the adaptive row leaves at its last exit: thresholds 0.5 / 0.5 / 0)
+    assert main(base + ["--methods", "exit:2:tree3+sideways"]) == 2  # a bad shape part is a one-line error
+
+
 def test_spec_bench_skips_turns_longer_than_the_context(tiny_dir, tmp_path, caplog):
     """A question that does not fit the target's 512-token context is skipped with a warning (its later turns too),
     for every method; the others run. Before, the whole run stopped at it with an error."""
