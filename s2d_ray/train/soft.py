@@ -36,8 +36,11 @@ logger = logging.getLogger(__name__)
 CKPT = "checkpoint.pt"
 # Settings a resumed run may change: how long it runs, where (a run moves between machines: checkpoints hold CPU
 # tensors and load onto any device; its directory, its KD cache's and its thread count are the new machine's) and how
-# often it checkpoints. None of them changes what a step computes (the KD cache checks its own rows and settings).
-RESUME_MAY_CHANGE = ("steps", "device", "ckpt_every", "out", "kd_cache", "threads")
+# often it checkpoints. None of them changes what a step computes (the KD cache checks its own rows and settings)
+# beyond rounding: the same holds for the precision the new machine computes fast, the targets' dtype while they build
+# the KD cache and bf16 autocast of the draft's steps (a CPU without AVX512-BF16 runs bf16 ~10x slower than fp32; a
+# cache of another dtype is refused by the cache itself, so one cache never mixes two).
+RESUME_MAY_CHANGE = ("steps", "device", "ckpt_every", "out", "kd_cache", "threads", "kd_cache_dtype", "autocast")
 DEVICES = ("auto", "cpu", "cuda")
 
 

@@ -559,9 +559,10 @@ def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, t
     assert len(list((tmp_path / "cache").rglob("part-*.pt"))) == 4
     shutil.rmtree(tmp_path / "cache")
     (tmp_path / "run" / "checkpoint.pt").unlink()  # a new machine: only what the repo holds came along
-    # ... and it keeps its run and cache elsewhere, with another thread count: still the same run
+    # ... and it keeps its run and cache elsewhere, with another thread count and the cache built in another dtype
+    # (what this machine computes fast): still the same run
     second = Run(tiny_cfg(tmp_path, tiny_llama_dir, **(kw | {"kd_cache": str(tmp_path / "cache2")}), threads=1,
-                      out=str(tmp_path / "moved")))
+                      out=str(tmp_path / "moved"), kd_cache_dtype="bfloat16"))
     assert not second.resume()
     second.cfg.data = [os.path.relpath(second.cfg.data[0])]  # the same file named from the working directory
     second.resume_from_draft(tmp_path / "carry")
@@ -572,6 +573,7 @@ def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, t
     second.train(progress=False)
     assert second.step == 8 and all(math.isfinite(x) for x in second.last_losses)
     assert sorted(p.name for p in (tmp_path / "cache2").rglob("part-*.pt")) == [f"part-{c:06d}.pt" for c in range(4, 8)]
+    assert {json.loads(m.read_text())["dtype"] for m in (tmp_path / "cache2").rglob("kdcache.json")} == {"bfloat16"}
     ck = torch.load(tmp_path / "moved" / "checkpoint.pt", weights_only=False)
     assert ck["rewarm_from"] == 4  # a later resume from the checkpoint keeps the same schedule
     with pytest.raises(ValueError, match="different configuration"):
