@@ -5,6 +5,8 @@ Costs are per machine, and not only in scale: the same bf16 grid of SmolLM2-135M
 budget learns one factor online (how much dearer real rounds are), so a grid from another machine keeps its shape:
 there trees are priced too dear (or too cheap) for what the hardware does. A profile therefore records the machine
 its costs come from, may carry more machines' costs (`costs_by_machine`), and the engine takes this machine's.
+A CPU is named by its model AND its widest matmul instruction set: cloud CPUs report one model name ("AMD EPYC")
+for hosts with and without AVX512-BF16, where bf16 runs natively on one and ~10x slower on the other.
 No torch import at module level (the router resolves profiles before any model loads).
 """
 
@@ -14,6 +16,8 @@ import copy
 import logging
 import platform
 from pathlib import Path
+
+from . import dtypes
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +35,26 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or platform.machine()
 
 
+# /proc/cpuinfo flag -> the instruction set named in a CPU's machine name, widest first
+CPU_ISAS = (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
+
+
+def cpu_isa(flags: frozenset[str] | None = None) -> str:
+    """The CPU's widest matmul instruction set (amx, avx512_bf16, avx512, avx2), '' when none or unknown."""
+    flags = dtypes.cpu_flags() if flags is None else flags
+    return next((isa for flag, isa in CPU_ISAS if flag in flags), "")
+
+
 def machine_name(device: str = "cpu") -> str:
-    """What a cost grid is keyed by: the CUDA device's name, or the CPU's model name."""
+    """What a cost grid is keyed by: the CUDA device's name, or the CPU's model name and instruction set, e.g.
+    "AMD EPYC (avx512_bf16)"."""
     if device == "cuda":
         import torch
 
         if torch.cuda.is_available():
             return torch.cuda.get_device_name()
-    return cpu_model()
+    isa = cpu_isa()
+    return f"{cpu_model()} ({isa})" if isa else cpu_model()
 
 
 def costs_machine(profile: dict) -> str | None:

@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 
-from ..machines import cpu_model
+from ..machines import cpu_isa, cpu_model
 
 
 def machine_info() -> dict:
@@ -17,6 +17,7 @@ def machine_info() -> dict:
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
+        "cpu_isa": cpu_isa(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

@@ -25,7 +25,25 @@ def test_cpu_model_reads_cpuinfo(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2GHz\nflags\t: avx\n")
     assert cpu_model(info) == "Some CPU @ 2GHz"
-    assert machine_name("cpu") == cpu_model()
+    assert machine_name("cpu").startswith(cpu_model())
+
+
+def test_one_cpu_model_name_with_and_without_native_bf16_is_two_machines(monkeypatch):
+    """Cloud CPUs report one model name ("AMD EPYC") for hosts with and without AVX512-BF16, where a bf16 grid
+    differs ~10x: the instruction set is part of the name, so each host prices with its own grid."""
+    from s2d_ray import dtypes, machines
+
+    monkeypatch.setattr(machines, "cpu_model", lambda: "AMD EPYC")
+    names = {}
+    for label, flags in {"bf16": {"avx2", "avx512f", "avx512_bf16"}, "avx2": {"avx2", "fma"},
+                         "amx": {"avx512_bf16", "amx_bf16", "amx_tile"}, "none": set()}.items():
+        monkeypatch.setattr(dtypes, "cpu_flags", lambda flags=flags: frozenset(flags))
+        names[label] = machine_name("cpu")
+    assert names == {"bf16": "AMD EPYC (avx512_bf16)", "avx2": "AMD EPYC (avx2)", "amx": "AMD EPYC (amx)",
+                     "none": "AMD EPYC"}
+    p = store_costs(profile(names["bf16"]), grid(100.0, 900.0), {"machine": names["avx2"]})
+    assert for_machine(p, names["avx2"])["costs_ms"] == grid(100.0, 900.0)
+    assert for_machine(p, names["bf16"])["costs_ms"] == grid(30.0, 52.0)
 
 
 def test_a_profile_gives_this_machines_costs(caplog):
