@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 
 import torch
@@ -56,6 +56,14 @@ class Costs:
             return self.verify[lo] * (n / lo if n > hi else 1.0)
         return self.verify[lo] + (self.verify[hi] - self.verify[lo]) * (n - lo) / (hi - lo)
 
+    @classmethod
+    def from_profile(cls, costs_ms: dict) -> "Costs":
+        """What `to_profile` wrote (a profile's `costs_ms`), back in seconds."""
+        sec = lambda row: {int(n): ms / 1e3 for n, ms in row.items()}  # noqa: E731
+        return cls([ms / 1e3 for ms in costs_ms["exit_token"]], costs_ms.get("extra_head", 0.0) / 1e3,
+                   sec(costs_ms["verify"]), {int(b): sec(row) for b, row in costs_ms.get("verify_grid", {}).items()},
+                   costs_ms.get("draft_row", 0.0) / 1e3)
+
     def to_profile(self) -> dict:
         """The profile's `costs_ms`, as core/costs.py `CostModel.from_profile` reads it."""
         out = {"exit_token": [round(1e3 * c, 3) for c in self.exit_token], "extra_head": round(1e3 * self.head, 3),
@@ -89,22 +97,37 @@ def simulate_timed(correct: list[bool], exits: list[int], costs: Costs, policy: 
 
 
 def search(preds: list[PathPreds], exit_layers: list[int], costs: Costs, grid=TAU_GRID, policies=POLICIES,
-           max_k: int = 16) -> list[dict]:
-    """Every (thresholds, policy) on the grid, ranked by modelled speedup (best first)."""
+           max_k: int = 16, thresholds: list[float] | None = None) -> list[dict]:
+    """Every (thresholds, policy) on the grid (or the given thresholds only), ranked by modelled speedup (best
+    first)."""
     results = []
-    inner = len(exit_layers) - 1
-    for taus in itertools.product(grid, repeat=inner):
-        thresholds = [*taus, 0.0]
-        paths = [adaptive_correct(p, thresholds) for p in preds]
+    settings = [list(thresholds)] if thresholds else [[*taus, 0.0] for taus in
+                                                      itertools.product(grid, repeat=len(exit_layers) - 1)]
+    for taus in settings:
+        paths = [adaptive_correct(p, taus) for p in preds]
         for policy, k in policies:
             tokens = rounds = 0
             secs = 0.0
             for correct, chosen in paths:
                 a, b, c = simulate_timed(correct, chosen, costs, policy, k, max_k)
                 tokens, rounds, secs = tokens + a, rounds + b, secs + c
-            results.append({"thresholds": [min(x, 1.0) for x in thresholds], "policy": policy, "k": k,
+            results.append({"thresholds": [min(x, 1.0) for x in taus], "policy": policy, "k": k,
                             "mat": tokens / max(rounds, 1), "speedup": tokens * costs.verify_n(1) / max(secs, 1e-12)})
     return sorted(results, key=lambda r: -r["speedup"])
+
+
+def fixed_exits(preds: list[PathPreds], exit_layers: list[int], costs: Costs, policies=POLICIES,
+                max_k: int = 16) -> dict[str, dict]:
+    """Each single exit on its own (what `exit:<L>` runs: its layers and one head, no earlier exits' heads), with its
+    best draft-length policy: the settings the adaptive draft must beat for the sorted draft to pay."""
+    out = {}
+    for i, layer in enumerate(exit_layers):
+        always_i = [1.01] * i + [0.0] * (len(exit_layers) - i)  # never leave before exit i, always at it
+        best = search(preds, exit_layers, replace(costs, head=0.0), policies=policies, max_k=max_k,
+                      thresholds=always_i)[0]
+        out[str(layer)] = {"policy": best["policy"], "k": best["k"], "mat": round(best["mat"], 4),
+                           "speedup": round(best["speedup"], 4)}
+    return out
 
 
 def _timeit(fn, repeat: int) -> float:

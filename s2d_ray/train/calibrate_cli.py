@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..build import build_draft, load_profile, load_target, set_threads
+from ..build import build_draft, default_device, load_profile, load_target, set_threads
 from ..commands.engine_args import add_engine_args, engine_config
 from ..config import DATA_DIR
-from ..machines import machine_name, store_costs
-from .calibrate import DRAFT_ROW_BATCH, GRID_BATCHES, GRID_POSITIONS, Costs, measure_costs, search
+from ..machines import for_machine, machine_name, store_costs
+from .calibrate import DRAFT_ROW_BATCH, GRID_BATCHES, GRID_POSITIONS, Costs, fixed_exits, measure_costs, search
 from .data import load_examples, pack
 from .forward import SubVocab
 from .selfdistill import generate_responses, pick_rows
@@ -31,6 +31,9 @@ def register_calibrate(sub) -> None:
                    help="re-measure only the costs of an existing --profile (its target, draft and dtype); keep its "
                         "acceptance and chosen settings")
     p.add_argument("--profile", default=None, help="with --costs-only: the profile to refresh in place")
+    p.add_argument("--costs-from", default=None, metavar="PROFILE",
+                   help="take the costs (every machine's) from this profile of the same target, dtype and exits "
+                        "instead of measuring them: a retrained draft of the same shape costs the same")
     p.add_argument("--context", type=int, default=256, help="tokens of KV prefilled before costs are timed")
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cost (the median is kept)")
     p.add_argument("--data", default=str(DATA_DIR / "train" / "instructions.jsonl"),
@@ -70,6 +73,22 @@ def measure_profile_costs(cfg, args: argparse.Namespace, target=None, draft=None
                                       "draft_row_batch": DRAFT_ROW_BATCH, "load_average": list(os.getloadavg()),
                                       "threads": torch.get_num_threads(), "wide_threads": cfg.wide_threads,
                                       "machine": machine_name(next(target.model.parameters()).device.type)}}
+
+
+def borrowed_costs(path: str, cfg, exits: list[int]) -> tuple[Costs, dict]:
+    """The costs of another profile of this target, dtype and exits (this machine's where it carries them), and its
+    cost fields to copy: costs depend on the draft's shape, not on its weights."""
+    try:
+        source = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--costs-from {path}: not a readable profile ({exc})") from exc
+    want = {"target": cfg.target.resolved_source, "dtype": cfg.target.dtype, "exit_layers": exits}
+    have = {k: source.get(k) for k in want}
+    if have != want or not source.get("costs_ms"):
+        raise ValueError(f"--costs-from {path} holds costs for {have}, this calibration is for {want}")
+    here = for_machine(source, machine_name(default_device().type), path)
+    fields = {k: source[k] for k in ("costs_ms", "costs_measured", "costs_by_machine") if k in source}
+    return Costs.from_profile(here["costs_ms"]), {**fields, "dtype": want["dtype"], "costs_from": path}
 
 
 def refresh_costs(args: argparse.Namespace) -> int:
@@ -114,8 +133,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"{paths} holds no responses to held-out instructions; calibrate on held-out prompts only")
     vocab = SubVocab(draft.vocab_ids, target.model.config.vocab_size)
     preds = path_predictions(draft.parts, draft.layers, rows, exits, vocab)
-    costs, measured = measure_profile_costs(cfg, args, target, draft)
+    if args.costs_from:
+        costs, measured = borrowed_costs(args.costs_from, cfg, exits)
+    else:
+        costs, measured = measure_profile_costs(cfg, args, target, draft)
     ranked = search(preds, exits, costs, max_k=cfg.spec.max_k)
+    alone = fixed_exits(preds, exits, costs, max_k=cfg.spec.max_k)
     best = ranked[0]
     paper = next(r for r in ranked if r["thresholds"] == [0.5] * (len(exits) - 1) + [0.0]
                  and (r["policy"], r["k"]) == ("heuristic", 5))
@@ -123,6 +146,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                "thresholds": best["thresholds"], "policy": best["policy"], "k": best["k"],
                "modelled": {"speedup": round(best["speedup"], 4), "mat": round(best["mat"], 4)},
                "paper_defaults_modelled": {"speedup": round(paper["speedup"], 4), "mat": round(paper["mat"], 4)},
+               "fixed_exits_modelled": alone,
                "on_path": summarize(preds, exits, best["thresholds"]),
                **measured,
                "calibration_set": {"file": data_relative(Path(args.data)), "split": "heldout", "paths": str(paths),
@@ -130,6 +154,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                "top5": [{**r, "speedup": round(r["speedup"], 4), "mat": round(r["mat"], 4)} for r in ranked[:5]]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))
-    print(json.dumps({**{k: profile[k] for k in ("exit_layers", "thresholds", "policy", "k", "modelled")},
+    print(json.dumps({**{k: profile[k] for k in ("exit_layers", "thresholds", "policy", "k", "modelled",
+                                                 "fixed_exits_modelled")},
                       "topk_hit": profile["on_path"].get("topk_hit")}))
     return 0

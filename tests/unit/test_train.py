@@ -160,7 +160,9 @@ def test_saved_draft_loads_with_reduced_vocab(tmp_path, tiny_llama_dir, train_no
 def test_calibration_recovers_the_known_best_threshold():
     """Exit 2 is cheap and right exactly when its confidence is 0.75 (wrong at 0.65); exit 4 is dear and always
     right. The best threshold for exit 2 is therefore the grid value between them, 0.7, with long drafts."""
-    from s2d_ray.train.calibrate import Costs, search
+    from dataclasses import replace
+
+    from s2d_ray.train.calibrate import Costs, fixed_exits, search, simulate_timed
 
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 50, (400,), generator=g)
@@ -175,6 +177,16 @@ def test_calibration_recovers_the_known_best_threshold():
     same_policy = [r for r in ranked if (r["policy"], r["k"]) == (best["policy"], best["k"])]
     worse = next(r for r in same_policy if r["thresholds"] == [0.6, 0.0])
     assert worse["mat"] < best["mat"] and worse["speedup"] < best["speedup"]
+    # Each exit alone, as exit:<L> runs it: the cheap exit is wrong half the time, the dear one never; the adaptive
+    # draft (cheap where it is right) beats both, the sorted draft's claim.
+    alone = fixed_exits(preds, [2, 4], costs)
+    assert alone["2"]["mat"] < 2 < alone["4"]["mat"] and best["speedup"] > max(a["speedup"] for a in alone.values())
+    # exit 4 alone pays its own layers and head, not exit 2's head too (1 / 10, no 0.1 per token)
+    mat4 = alone["4"]["mat"]
+    tokens, rounds, secs = simulate_timed([True] * 400, [1] * 400, replace(costs, head=0.0), alone["4"]["policy"],
+                                          alone["4"]["k"])
+    assert mat4 == pytest.approx(tokens / rounds, abs=1e-4)
+    assert alone["4"]["speedup"] == pytest.approx(tokens * costs.verify_n(1) / secs, abs=1e-4)
 
 
 def test_measured_costs_have_one_entry_per_exit(tiny_llama_dir):
@@ -235,9 +247,23 @@ def test_calibrate_cli_writes_a_profile_the_engine_reads(tmp_path, tiny_llama_di
     assert set(hits) == {"1", "2"} and all(len(h) == 4 and h[0] == profile["on_path"]["agree"][e]
                                            for e, h in hits.items())
     assert len(profile["on_path"]["s2d_topk_hit"]) == 4
+    assert set(profile["fixed_exits_modelled"]) == {"1", "2"}  # each exit alone, the adaptive draft's rivals
     cfg = EngineConfig(target=TargetConfig(name=str(tiny_llama_dir), calibration=str(out)),
                        draft=DraftConfig(source=draft), num_threads=1)
     assert build_engine(cfg).draft.spec.thresholds == profile["thresholds"]
+    # A retrained draft of the same shape costs the same: --costs-from takes a profile's costs (every machine's)
+    # instead of measuring them; one of another shape is refused in one line.
+    again = tmp_path / "again.json"
+    common = ["calibrate", "--target", str(tiny_llama_dir), "--draft", draft, "--paths",
+              str(out.with_suffix(".paths.jsonl")), "--threads", "1", "--costs-from", str(out)]
+    assert main(common + ["--out", str(again)]) == 0
+    borrowed = json.loads(again.read_text())
+    assert borrowed["costs_ms"] == profile["costs_ms"] and borrowed["costs_from"] == str(out)
+    assert borrowed["on_path"] == profile["on_path"] and borrowed["thresholds"] == profile["thresholds"]
+    capsys.readouterr()
+    assert main(common + ["--out", str(tmp_path / "x.json"), "--exits", "2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("s2d: error: ")]
+    assert len(err) == 1 and "--costs-from" in err[0] and "exit_layers" in err[0]
 
 
 def test_train_draft_cli_rejects_kd_without_targets(tmp_path, capsys):
