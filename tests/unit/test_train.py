@@ -177,6 +177,10 @@ def test_calibration_recovers_the_known_best_threshold():
     same_policy = [r for r in ranked if (r["policy"], r["k"]) == (best["policy"], best["k"])]
     worse = next(r for r in same_policy if r["thresholds"] == [0.6, 0.0])
     assert worse["mat"] < best["mat"] and worse["speedup"] < best["speedup"]
+    # A cheap exit right as often as the dear one but never confident: the search can stop there always (threshold 0)
+    unsure = [PathPreds(labels, torch.stack([labels, labels]), torch.stack([torch.full((400,), 0.25),
+                                                                          torch.ones(400)]))]
+    assert search(unsure, [2, 4], costs)[0]["thresholds"] == [0.0, 0.0]
     # Each exit alone, as exit:<L> runs it: the cheap exit is wrong half the time, the dear one never; the adaptive
     # draft (cheap where it is right) beats both, the sorted draft's claim.
     alone = fixed_exits(preds, [2, 4], costs)
