@@ -47,9 +47,10 @@ def _register_train(sub) -> None:
                    help="directory for the KD targets' top-k logits over the packed data: computed once (resumable), "
                         "then KD reads them instead of running the targets every step")
     p.add_argument("--kd-topk", type=int, default=32, help="logits kept per position in --kd-cache")
-    p.add_argument("--kd-cache-dtype", default=None, choices=["float32", "bfloat16"],
+    p.add_argument("--kd-cache-dtype", default=None, choices=["float32", "bfloat16", "auto"],
                    help="run the targets in this dtype to build --kd-cache (bfloat16: ~2x faster on CPUs with "
-                        "AVX512-BF16; default: the training dtype)")
+                        "AVX512-BF16, ~10x slower without; auto: bfloat16 where it is the fast path, as --dtype auto; "
+                        "default: the training dtype)")
     p.add_argument("--train-norm-head", action="store_true", help="also train an own copy of norm and LM head")
     p.add_argument("--vocab-size", type=int, default=0, help="reduced draft vocabulary (0 = full)")
     p.add_argument("--seq-len", type=int, default=256)

@@ -61,7 +61,8 @@ class SoftConfig:
     exit_distill: float = 0.0  # weight of KL(deepest exit || each shallower exit), the deepest exit detached
     kd_cache: str | None = None  # directory of the targets' cached top-k logits (built on first use; kdcache.py)
     kd_topk: int = 32
-    kd_cache_dtype: str | None = None  # the targets' dtype while building the cache (None: `dtype`)
+    kd_cache_dtype: str | None = None  # the targets' dtype while building the cache (None: `dtype`; auto: bf16
+    # where it is the fast path here, else float32)
     train_norm_head: bool = False
     vocab_size: int = 0  # 0: full vocabulary; else the most frequent label tokens of the training data
     seq_len: int = 256
@@ -189,7 +190,7 @@ class Run:
         cfg = self.cfg
         if not cfg.kd_cache or cfg.kd_weight <= 0:
             return []
-        dtype = cfg.kd_cache_dtype or cfg.dtype
+        dtype = resolve_dtype(cfg.kd_cache_dtype, self.device.type) if cfg.kd_cache_dtype else cfg.dtype
         order = visit_order(len(self.rows), cfg.seed, 0)
         caches = []
         for name, model in zip(cfg.kd_targets, self.kd_models):
