@@ -5,6 +5,7 @@
 #   RUN=committed  the committed draft and profiles (this host's fp32 grid added by `calibrate --costs-only`)
 #   RUN=draft6000  issue 16's stage-6 draft at step 6,000 (DRAFT), calibrated here in fp32 first: the adaptive exits
 #                  against each fixed exit under the product's tree (T) and under a chain (C), same auto policy
+#   TAG: a suffix for the output directories (a rerun of the same RUN after a change)
 #   RUN=bf16       hf-generate in fp32 against bf16 on one question a category, 32 tokens (is bf16 slower here?)
 cd /work/main
 OUT=bench_results/spec-s18
@@ -27,6 +28,6 @@ if [[ $RUN == draft6000 ]]; then  # calibrate first, both targets side by side (
 fi
 for t in "${targets[@]}"; do
   taskset -c $(core $t) .venv/bin/s2d bench spec --target $t --dtype float32 --threads 1 "${args[@]}" --methods $M \
-    --no-progress --out $OUT/$RUN-$t > $OUT/$RUN-$t.log 2>&1 &
+    --no-progress --out $OUT/$RUN$TAG-$t > $OUT/$RUN$TAG-$t.log 2>&1 &
 done
 wait

@@ -162,6 +162,7 @@ class SpeculationBudget:
         self._explore_gap: dict[int, int] = {}  # batch bucket (>= MEASURED_DRAFT_FROM rows) -> rounds between explorations
         self._explore_second: int | None = None  # the bucket whose exploration's timed second round is next
         self._explore_due: int | None = None  # the bucket whose exploration waits for a round without a prompt
+        self._idle_nodes: dict[int, tuple[int, int]] = {}  # batch bucket -> (rounds offered nodes and kept none, gap)
 
     @property
     def load_aware(self) -> bool:
@@ -300,22 +301,43 @@ class SpeculationBudget:
         if self.costs is None:
             return cap
         batch = max(len(estimates), 1)
+        widest = min(cap, max((len(e) for e in estimates), default=0))
         if not self._drafting:  # lookup-only trees or plain rounds: measured once both are (one round in 16 explores)
             trees = self.measured_better(batch, "tree", "plain")
             if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:
                 trees = not trees
             if trees is False:
-                return 0
+                return self._unpriced(batch, widest)
         ranked = [sorted(e, reverse=True) for e in estimates]
-        widest = max((len(r) for r in ranked), default=0)
         best_n, best_rate = 0, batch / self.verify_ms(batch, 1)
         gained = 0.0
-        for n in range(1, min(cap, widest) + 1):
+        for n in range(1, widest + 1):
             gained += sum(r[n - 1] for r in ranked if len(r) >= n)
             rate = (batch + gained) / self.verify_ms(batch, n + 1)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        if best_n == 0:
+            return self._unpriced(batch, widest)
+        self._idle_nodes.pop(_bucket(batch), None)
         return best_n
+
+    def _unpriced(self, batch: int, offered: int) -> int:
+        """Nodes to verify in a round whose offered nodes the budget keeps none of: usually 0, but every
+        EXPLORE_EVERY-th such round at a batch size all of them. Unverified nodes teach the acceptance model nothing,
+        so estimates that a few unlucky rounds pushed below the pay line (or a measured round rate) would stay there
+        for good: on a CPU where two positions cost 1.5 one-row steps, 44 rejected lookup nodes in the first answer
+        of a Spec-Bench run kept lookup off for the other 13, where transformers' prompt lookup gained 10% on the
+        same outputs (BENCHMARKS.md §0, session 18). The gap doubles, up to EXPLORE_BACKOFF times, while the budget
+        still keeps no nodes after an exploration; it resets once it keeps some."""
+        if offered == 0:
+            return 0
+        bucket = _bucket(batch)
+        since, gap = self._idle_nodes.get(bucket, (0, self.EXPLORE_EVERY))
+        if since + 1 < gap:
+            self._idle_nodes[bucket] = (since + 1, gap)
+            return 0
+        self._idle_nodes[bucket] = (0, min(2 * gap, self.EXPLORE_EVERY * self.EXPLORE_BACKOFF))
+        return offered
 
 
 def _bucket(batch: int) -> int:

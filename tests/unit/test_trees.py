@@ -353,6 +353,36 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
     assert budget.scale == pytest.approx(2.0, rel=1e-3) and budget.plan(1, 0).depth > 0
 
 
+def test_budget_verifies_nodes_it_prices_out_now_and_then_so_estimates_can_recover():
+    """Where width is dear (this AVX2 host's fp32 grid: two positions cost 1.5 steps), lookup estimates that a few
+    rejections pushed below the pay line kept nodes out for good: unverified nodes teach nothing. Now every 16th round
+    that offers nodes and keeps none verifies them all, the gap doubling (16, 32, 64, ...) while the model still keeps
+    none, and back to 16 once it keeps some."""
+    costs = CostModel({1: {1: 66.0, 2: 102.0, 4: 112.0, 8: 125.0, 16: 159.0}}, [6.0, 10.0, 13.0])
+    budget = SpeculationBudget(TreeShape(width=1, lookup=True, max_nodes=16), costs, max_depth=4)
+    low = [[0.1, 0.05, 0.02]]  # priced out: (1 + 0.17) steps of tokens for 1.7 steps of verification
+    calls = [budget.node_cap(low) for _ in range(16 + 32 + 64)]
+    assert [i for i, n in enumerate(calls) if n] == [15, 47, 111] and max(calls) == 3
+    assert all(budget.node_cap([[]]) == 0 for _ in range(40))  # rounds that offer nothing do not count
+    assert budget.node_cap([[0.9, 0.8, 0.7, 0.6]]) == 4  # the model keeps nodes: the gap resets
+    assert [budget.node_cap(low) for _ in range(16)].index(3) == 15
+
+
+def test_an_engine_whose_lookup_estimates_fell_still_verifies_lookup_sometimes_and_stays_exact(target):
+    """The engine with the dear grid and lookup estimates pushed to ~0: lookup nodes are still verified in some
+    rounds (and learned from), and the output equals plain decoding."""
+    costs = CostModel({1: {1: 66.0, 2: 102.0, 4: 112.0, 8: 125.0, 16: 159.0}}, [6.0, 10.0, 13.0])
+    engine = tree_engine(target, 1, True, costs, draft=False)
+    for cell in engine.budget.acceptance.lookup:
+        cell[0], cell[1] = 0.0, 1000.0  # as after many rejections
+    prompts = repetitive_prompts(4, seed=23)
+    ar = run(SpecEngine(TargetVerifier(target)), prompts, 40, batch=False)
+    out = run(engine, prompts, 40, batch=False)
+    assert [o.token_ids for o in out] == [a.token_ids for a in ar]
+    assert sum(o.metrics["num_draft_tokens"] for o in out) > 0
+    assert sum(cell[1] for cell in engine.budget.acceptance.lookup) > 1000.0 * len(engine.budget.acceptance.lookup)
+
+
 def test_budget_keeps_lookup_nodes_only_while_measured_rounds_say_they_pay():
     """Not drafting, the model keeps lookup nodes (grid: nodes nearly free). Once both kinds of decode round are
     timed at a batch size, the measured seconds per token decide: lookup-only tree rounds at 30 ms for 2 tokens lose to
