@@ -20,10 +20,11 @@
 # /work/notes/quiet.sh does).
 #   scripts/draft_scale.sh RUN_DIR finish   after `train`: calibrate RUN_DIR/drafts/stage5 for every target in each
 #     of CAL_DTYPES ("bfloat16 float32"; profiles in its calibration/, named as --calibration auto looks them up),
-#     then Spec-Bench per target in BENCH_DTYPE (bfloat16), PER_CATEGORY (2) questions a category, 128 tokens:
-#     ar, each fixed exit and adaptive s2d side by side (RUN_DIR/bench/<target>), the "adaptive beats every fixed
-#     exit" check; BENCH_ARGS: more `s2d bench spec` flags. Run it alone on the machine (under quiet.sh): it times
-#     things.
+#     then Spec-Bench per target in BENCH_DTYPE (auto: bf16 where it is the fast path), PER_CATEGORY (2) questions a
+#     category, 128 tokens: ar, transformers' generate and prompt lookup, then each fixed exit and the adaptive exits
+#     under CHAIN_SHAPE (chain+auto) and under TREE_SHAPE (tree4+lookup+auto+n24, what the committed profiles run),
+#     side by side (RUN_DIR/bench/<target>): the "adaptive beats every fixed exit" check; BENCH_ARGS: more
+#     `s2d bench spec` flags. Run it alone on the machine (under quiet.sh): it times things.
 # Dry run with tiny random models (seconds): see docs/TRAINING.md, "Scaling up".
 set -euo pipefail
 [[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
@@ -62,9 +63,12 @@ if [[ $what == finish ]]; then
   for t in "${targets[@]}"; do
     name=$(basename "$t")
     for dt in ${CAL_DTYPES:-bfloat16 float32}; do calibrate "$draft" "$t" "$dt"; done
+    # Each exit alone against the adaptive exits under the same shape and policy: chains, and the product's trees
     methods=hf-generate,ar,hf-prompt-lookup; IFS=, read -r -a ex <<< "${EXITS:-2,4,6}"
-    for e in "${ex[@]}"; do methods+=",exit:$e"; done; methods+=",s2d"
-    s2d bench spec --target "$t" --draft "$draft" --dtype "${BENCH_DTYPE:-bfloat16}" --threads "$threads" \
+    for shape in "${CHAIN_SHAPE:-chain+auto}" "${TREE_SHAPE:-tree4+lookup+auto+n24}"; do
+      for e in "${ex[@]}"; do methods+=",exit:$e:$shape"; done; methods+=",s2d:$shape"
+    done
+    s2d bench spec --target "$t" --draft "$draft" --dtype "${BENCH_DTYPE:-auto}" --threads "$threads" \
       --per-category "${PER_CATEGORY:-2}" --max-new-tokens 128 --methods "$methods" --out "$run/bench/$name" \
       ${BENCH_ARGS:-}
   done
