@@ -327,6 +327,6 @@ def make_methods(names: list[str], cfg: EngineConfig, target: LoadedModel) -> li
             methods.append(method)
         else:
             raise ConfigError(f"unknown method {name!r}; known: hf-generate[:<dtype>], ar, s2d, s2d:<shape> (e.g. "
-                              "s2d:tree4+lookup+auto+k2+n12, s2d:chain), lookup, exit:<L>[:<shape>], hf-assisted[:heuristic], "
-                              "hf-early-exit[:<L>], hf-prompt-lookup")
+                              "s2d:tree4+lookup+auto+k2+n12, s2d:chain), lookup, exit:<L>[:<shape>], "
+                              "hf-assisted[:heuristic], hf-early-exit[:<L>], hf-prompt-lookup")
     return methods

@@ -24,8 +24,8 @@ from .validate import PathPreds, adaptive_correct
 
 logger = logging.getLogger(__name__)
 
-# 0.0: always leave at this exit (cheap exits that agree about as often as deep ones: the search must be able to stop
-# at the first exit, which the session-18 models found best for both committed drafts); 1.01: never leave there
+# 0.0: always leave at this exit (where a cheap exit agrees about as often as the deep ones the search must be able
+# to stop there: session 18 modelled it best for the committed draft and the stage-6 one); 1.01: never leave there
 TAU_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01)
 POLICIES = tuple([("fixed", k) for k in range(1, 9)] + [("heuristic", 3), ("heuristic", 5)])
 
