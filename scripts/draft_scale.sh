@@ -11,10 +11,9 @@
 # ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
 # smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
 # instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6),
-# KD_CACHE_DTYPE (auto: bfloat16 where the CPU has native bf16, ~2x faster there, else float32), AUTOCAST (auto: the draft's
-# steps under bf16 autocast where bf16 is the fast path, ~2x a step on an AVX512-BF16 CPU; bfloat16: always;
-# empty: float32), DEVICE (auto: cuda when torch
-# sees a GPU), CKPT_EVERY (25), TIME_LIMIT (seconds: train stops checkpointed and exports; see
+# KD_CACHE_DTYPE (auto: bfloat16 where the CPU has native bf16, ~2x faster there, else float32), AUTOCAST (auto:
+# the draft's steps under bf16 autocast where bf16 is the fast path, ~2x a step on an AVX512-BF16 CPU; bfloat16:
+# always; empty: float32), DEVICE (auto: cuda when torch sees a GPU), CKPT_EVERY (25), TIME_LIMIT (seconds: train stops checkpointed and exports; see
 # scripts/gpu_draft_data.sh train; device and checkpoint interval may change on resume), PIDFILE (append this
 # script's pid: started with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as
 # /work/notes/quiet.sh does).
