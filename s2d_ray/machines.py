@@ -39,9 +39,9 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 CPU_ISAS = (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
 
 
-def cpu_isa(flags: frozenset[str] | None = None) -> str:
+def cpu_isa() -> str:
     """The CPU's widest matmul instruction set (amx, avx512_bf16, avx512, avx2), '' when none or unknown."""
-    flags = dtypes.cpu_flags() if flags is None else flags
+    flags = dtypes.cpu_flags()
     return next((isa for flag, isa in CPU_ISAS if flag in flags), "")
 
 

@@ -269,11 +269,15 @@ class SpeculationBudget:
         elif gated and explore and not second:
             # The draft's first round after a pause catches up on every token since (at 8 rows, hundreds) and is not
             # timed: explore two rounds so the second is (a veto can lift), half as often each time it did not.
-            self._explore_gap[bucket] = min(2 * gap, self.EXPLORE_EVERY * self.EXPLORE_BACKOFF)
+            self._explore_gap[bucket] = self._backed_off(gap)
             self._explore_second = bucket
         draft = draft or explore
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
+
+    def _backed_off(self, gap: int) -> int:
+        """The next gap between explorations that keep not paying: doubled, at most EXPLORE_BACKOFF x EXPLORE_EVERY."""
+        return min(2 * gap, self.EXPLORE_EVERY * self.EXPLORE_BACKOFF)
 
     def _timed(self, bucket: int, kind: str) -> int:
         """Decode rounds of `kind` timed in a batch-size bucket."""
@@ -336,7 +340,7 @@ class SpeculationBudget:
         if since + 1 < gap:
             self._idle_nodes[bucket] = (since + 1, gap)
             return 0
-        self._idle_nodes[bucket] = (0, min(2 * gap, self.EXPLORE_EVERY * self.EXPLORE_BACKOFF))
+        self._idle_nodes[bucket] = (0, self._backed_off(gap))
         return offered
 
 
