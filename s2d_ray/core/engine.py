@@ -182,7 +182,7 @@ class SpecEngine:
         out = []
         for seq, tree, e in zip(live, trees, est):
             kept = tree.keep(cap, rank=e, max_depth=max(self._remaining(seq), 0))
-            out.append(Proposal(kept.tokens, None, kept.exits, kept.parents, kept.scores))
+            out.append(Proposal(kept.tokens, None, kept.exits, kept.parents, kept.scores, kept.match_ngram))
         return out
 
     def score_requests(self, drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:
@@ -412,7 +412,7 @@ def _as_tree(prop: Proposal) -> TokenTree:
     n = len(prop.tokens)
     parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
     scores = prop.scores if prop.scores is not None else [1.0] * n
-    return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores))
+    return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores), prop.match_ngram)
 
 
 def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None = None) -> torch.Tensor:

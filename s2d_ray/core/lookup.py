@@ -71,7 +71,7 @@ class PromptLookup:
         for req in requests:
             tree = TokenTree()
             add_lookup(tree, self.matches(req))
-            out.append(Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores))
+            out.append(Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores, tree.match_ngram))
         return out
 
     def release(self, seq_id: str) -> None:
@@ -108,7 +108,10 @@ class TreeDrafter:
 
 def add_lookup(tree: TokenTree, matches: list[LookupMatch]) -> None:
     """Lookup candidates into a tree: the first continuation marked LOOKUP, the others LOOKUP_BRANCH (the budget
-    learns their acceptance apart: an older occurrence's continuation is accepted less often)."""
+    learns their acceptance apart: an older occurrence's continuation is accepted less often); the tree records the
+    first one's matched suffix length (`match_ngram`), by which the budget values the LOOKUP nodes."""
+    if matches:
+        tree.match_ngram = matches[0].ngram
     for rank, m in enumerate(matches):
         mark = LOOKUP if rank == 0 else LOOKUP_BRANCH
         tree.add_path(m.tokens, [mark] * len(m.tokens), [0.0] * len(m.tokens))
@@ -131,5 +134,5 @@ def _merge(requests: list[DraftRequest], matches: list[list[LookupMatch]], need:
             for j, (tok, par, ex, sc) in enumerate(zip(prop.tokens, parents, prop.exits, scores)):
                 index[j] = tree.add(index.get(par, -1), tok, ex, sc)
         add_lookup(tree, m)
-        out[i] = Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores)
+        out[i] = Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores, tree.match_ngram)
     return out

@@ -41,6 +41,9 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)
     exits: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
+    # Suffix length the first lookup candidate matched (0: no lookup candidate): a 4-token match is accepted ~3x as
+    # often as a 1-token one, so the budget values lookup nodes by it.
+    match_ngram: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -91,7 +94,7 @@ class TokenTree:
         elif budget >= len(self):
             return self
         if budget <= 0:
-            return TokenTree()
+            return TokenTree(match_ngram=self.match_ngram)
         rank = self.scores if rank is None else rank
         allowed = [i for i in range(len(self)) if max_depth is None or depths[i] <= max_depth]
         # Ranks are often binned estimates: ties go to the higher draft path probability (a frontier tree holds many
@@ -112,7 +115,7 @@ class TokenTree:
         kept = sorted(chosen)
         index = {old: new for new, old in enumerate(kept)}
         return TokenTree([self.tokens[i] for i in kept], [index.get(self.parents[i], -1) for i in kept],
-                         [self.exits[i] for i in kept], [self.scores[i] for i in kept])
+                         [self.exits[i] for i in kept], [self.scores[i] for i in kept], self.match_ngram)
 
 
 def node_depths(parents: list[int]) -> list[int]:

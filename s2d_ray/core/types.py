@@ -52,6 +52,7 @@ class Proposal:
     exits: list[int]  # [k'] exit layer each token left the draft at (0: a lookup candidate)
     parents: list[int] | None = None  # tree: parent node index of each node, -1 = the last committed token
     scores: list[float] | None = None  # tree: draft probability of the path to each node (ranking for budgets)
+    match_ngram: int = 0  # tree: suffix length the first lookup candidate matched (0: none; the budget values it)
 
     @staticmethod
     def empty() -> "Proposal":

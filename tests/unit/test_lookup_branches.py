@@ -65,6 +65,46 @@ def test_budget_learns_branch_acceptance_apart_from_the_first_continuation():
     assert after[2] > 0.8 and after[3] > 0.8 and after[0] < before[0]
 
 
+def test_budget_values_lookup_nodes_by_the_suffix_length_they_matched():
+    """A continuation after a 4-token match is accepted ~3x as often as after a 1-token one: the trees record the
+    first match's length, the priors order them, and each length's acceptance is learned apart."""
+    lookup = PromptLookup(max_ngram=4, num_tokens=3)
+    long_req = DraftRequest("a", [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4], 0, SamplingParams(), tree=True)
+    short_req = DraftRequest("b", [7, 5, 6, 8, 1, 2, 9, 8], 0, SamplingParams(), tree=True)
+    long_prop, short_prop = lookup.propose([long_req, short_req])
+    assert (long_prop.match_ngram, short_prop.match_ngram) == (4, 1)
+    from s2d_ray.core.engine import _as_tree
+
+    long_tree, short_tree = _as_tree(long_prop), _as_tree(short_prop)
+    assert long_tree.keep(2).match_ngram == 4 and long_tree.keep(0).match_ngram == 4  # survives the node budget
+    acc = AcceptanceModel()
+    assert acc.estimate(long_tree)[0] > 2.5 * acc.estimate(short_tree)[0]
+    for _ in range(40):  # the short matches turn out right, every time; the long ones never
+        acc.observe(short_tree, [0, 1, 2])
+        acc.observe(long_tree, [])
+    assert acc.estimate(short_tree)[2] > 0.8 > 0.1 > acc.estimate(long_tree)[0]
+    # A tree that records no match (built by hand) keeps the old single prior, untouched by either length.
+    plain = TokenTree()
+    plain.add_path([4, 5], [LOOKUP] * 2, [0.0] * 2)
+    assert acc.estimate(plain)[0] == pytest.approx(0.5)
+
+
+def test_engine_observes_trees_with_their_match_length(target):
+    """The engine's shape and verify steps carry the match length through to what the budget learns from."""
+    engine = lookup_engine(target, candidates=1)
+    seen = []
+    observe = engine.budget.observe
+
+    def spy(tree, path):
+        if tree is not None and len(tree):
+            seen.append(tree.match_ngram)
+        return observe(tree, path)
+
+    engine.budget.observe = spy
+    run(engine, repetitive_prompts(2, seed=3), 24, True)
+    assert seen and all(n >= 1 for n in seen) and max(seen) >= 2, seen
+
+
 def lookup_engine(target, candidates: int, draft: bool = False) -> SpecEngine:
     return tree_engine(target, 3 if draft else 1, True, lookup_candidates=candidates, draft=draft)
 
