@@ -6,10 +6,18 @@ float32, with or without `enable_gqa`) and 0.28 ms as grouped matmuls; 1 row ove
 25-node tree 0.84 vs 0.37 ms; a 400-token prompt 5.7 vs 2.2 ms. The queries of each KV head's group are stacked so
 keys and values are never repeated, and the softmax runs in float32 (float64 stays float64) with the additive mask.
 CUDA keeps SDPA (its fused kernels are the fast path there).
+
+That was an AVX512-BF16 CPU. On an AVX2 CPU in float32 (torch 2.13, one thread) the same calls run the other way:
+torch's SDPA with `enable_gqa` takes 68 us where the grouped matmuls take 211 (1 row, 200 slots), 133 vs 279 (a 9-node
+tree), 335 vs 663 (8 rows). So the kernel is measured when a model loads (`sdpa_is_faster`) and the slot cache's
+layers keep everything else (row groups, cache runs, query blocks) and call whichever is faster for the innermost
+attention.
 """
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -39,6 +47,7 @@ def grouped_attention(
     scaling: float | None = None,
     kv_groups: list[tuple[torch.Tensor, int]] | None = None,
     kv_runs: list[tuple[int, int, int, int]] | None = None,
+    sdpa: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [b, h, q, d], key/value [b, kvh, k, d], mask additive or bool, broadcastable to [b, h, q, k] (None:
@@ -48,17 +57,19 @@ def grouped_attention(
     beside a long one stop reading (and copying) the long row's slots; their masks hide those slots anyway.
 
     kv_runs (`SlotKVCache.select`): key/value hold the covering range of the query rows' cache rows (holes included,
-    a view, not a copy); run (qa, qb, ka, kb) pairs query rows qa..qb-1 with key rows ka..kb-1."""
+    a view, not a copy); run (qa, qb, ka, kb) pairs query rows qa..qb-1 with key rows ka..kb-1.
+
+    sdpa: the innermost attention runs as torch's SDPA instead of the grouped matmuls (`sdpa_is_faster`)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if kv_runs is not None and (kv_groups is None or attention_mask is None):
         b, h, q, d = query.shape
         out = query.new_empty(b, q, h, d)
         for qa, qb, ka, kb in kv_runs:
             mask = attention_mask if attention_mask is None or attention_mask.shape[0] == 1 else attention_mask[qa:qb]
-            out[qa:qb] = _attend_blocks(query[qa:qb], key[ka:kb], value[ka:kb], mask, scale)
+            out[qa:qb] = _attend_blocks(query[qa:qb], key[ka:kb], value[ka:kb], mask, scale, sdpa)
         return out, None
     if kv_groups is None or attention_mask is None:
-        return _attend_blocks(query, key, value, attention_mask, scale), None
+        return _attend_blocks(query, key, value, attention_mask, scale, sdpa), None
     b, h, q, d = query.shape
     out = query.new_empty(b, q, h, d)
     key_rows = None
@@ -69,18 +80,18 @@ def grouped_attention(
         krows = rows if key_rows is None else key_rows.index_select(0, rows)
         # index_select, not key[rows]: it copies a strided view ~7x faster than advanced indexing here
         out[rows] = _attend_blocks(query.index_select(0, rows), key[:, :, :length].index_select(0, krows),
-                                   value[:, :, :length].index_select(0, krows), mask[..., :length], scale)
+                                   value[:, :, :length].index_select(0, krows), mask[..., :length], scale, sdpa)
     return out, None
 
 
 def _attend_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   scale: float) -> torch.Tensor:
+                   scale: float, sdpa: bool = False) -> torch.Tensor:
     """Many queries (a prompt pass) in blocks of QUERY_BLOCK, each over keys up to the last one its mask allows: the
     float32 scores of a whole 256-position pass over 768 slots (7 MB a layer) fall out of cache on every elementwise
     pass, and a causal block never needs the keys after its last position. Masked keys weigh exactly 0 either way."""
     q = query.shape[2]
     if attention_mask is None or q <= QUERY_BLOCK:
-        return _attend(query, key, value, attention_mask, scale)
+        return _attend(query, key, value, attention_mask, scale, sdpa)
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
         attention_mask.dtype).min
     parts = []
@@ -90,14 +101,22 @@ def _attend_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         cols = block.reshape(-1, block.shape[-1]).any(0).nonzero()
         k = int(cols.max()) + 1 if cols.numel() else key.shape[2]
         mask = attention_mask[..., lo:hi, :k] if attention_mask.shape[-2] == q else attention_mask[..., :k]
-        parts.append(_attend(query[:, :, lo:hi], key[:, :, :k], value[:, :, :k], mask, scale))
+        parts.append(_attend(query[:, :, lo:hi], key[:, :, :k], value[:, :, :k], mask, scale, sdpa))
     return torch.cat(parts, dim=1)
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
+            scale: float, sdpa: bool = False) -> torch.Tensor:
     b, h, q, d = query.shape
     kvh, k = key.shape[1], key.shape[2]
+    if sdpa:
+        if attention_mask is None:
+            mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q) if q > 1 else None
+        else:
+            mask = attention_mask[..., :k]
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                               enable_gqa=kvh != h)
+        return out.transpose(1, 2).contiguous()
     g = h // kvh
     acc = torch.promote_types(query.dtype, torch.float32)
     stacked = query.reshape(b, kvh, g * q, d)
@@ -120,6 +139,33 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attenti
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kvh, g * q, k)
     out = torch.matmul(probs, value).view(b, h, q, d)
     return out.transpose(1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int = 256,
+                   repeats: int = 12) -> bool:
+    """Whether torch's SDPA beats the grouped matmuls on this CPU for these heads and dtype (measured once per
+    process and shape, ~50 ms): one row decoding, a 16-node tree, and 8 rows decoding over `slots` cached slots, with
+    the additive masks the slot cache builds, alternated, best of `repeats` each. SDPA must win by a quarter: a host
+    where the two are close keeps the grouped kernel every time instead of flipping between loads."""
+    def case(rows: int, q: int) -> tuple:
+        qry = torch.randn(rows, num_heads, q, head_dim).to(dtype)
+        key = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)  # the cache's strided view
+        value = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)
+        allowed = torch.ones(rows, 1, q, slots, dtype=torch.bool).tril(slots - q)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return qry, key, value, mask
+
+    cases = [case(1, 1), case(1, 16), case(8, 1)]
+    best = {False: [float("inf")] * len(cases), True: [float("inf")] * len(cases)}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for kernel in (False, True):
+                for i, (qry, key, value, mask) in enumerate(cases):
+                    t0 = time.perf_counter()
+                    _attend(qry, key, value, mask, head_dim ** -0.5, kernel)
+                    best[kernel][i] = min(best[kernel][i], time.perf_counter() - t0)
+    return sum(best[True]) < 0.75 * sum(best[False])
 
 
 def plan_kv_groups(lengths: list[int], overhead: int | None = None) -> list[list[int]] | None:

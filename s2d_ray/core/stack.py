@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, ModelLoadError
-from .attention import plan_kv_groups, use_grouped
+from .attention import plan_kv_groups, sdpa_is_faster, use_grouped
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
 from .threads import intra_op_threads, pass_threads
 
@@ -41,6 +41,8 @@ class DecoderParts:
 
 # Tests set this to run the CUDA code path (SDPA with per-head mask views) on the CPU, so CPU CI covers it.
 SDPA_ON_CPU = False
+# The CPU's innermost attention kernel: "auto" (measured when a stack is built), "grouped" or "sdpa" (tests pin one).
+ATTENTION_KERNEL = "auto"
 
 
 def cache_kwarg(layer: nn.Module) -> str:
@@ -112,10 +114,15 @@ class LayerStack(nn.Module):
             raise ModelLoadError(f"exit {exit_layers[-1]} is deeper than the {len(self.layers)} layers available")
         bounds = [0, *exit_layers]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
-        # On the CPU, attention runs as grouped matmuls (core/attention.py: 2-20x faster than SDPA there).
+        # On the CPU, attention runs through the slot cache's grouped path (core/attention.py: row groups, cache
+        # runs, query blocks); its innermost kernel is SDPA where that measured faster on this CPU (AVX2 in fp32),
+        # else grouped matmuls (2-20x faster than SDPA on an AVX512-BF16 CPU).
         self.grouped = self.device.type == "cpu" and not SDPA_ON_CPU
+        self.sdpa_kernel = False
         if self.grouped:
             use_grouped(self.layers)
+            self.sdpa_kernel = ATTENTION_KERNEL == "sdpa" or ATTENTION_KERNEL == "auto" and sdpa_is_faster(
+                parts.num_heads, parts.num_kv_heads, parts.head_dim, self.dtype)
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
         self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
@@ -197,6 +204,8 @@ class LayerStack(nn.Module):
             extra["kv_groups"] = kv_groups
         if kv_runs is not None:
             extra["kv_runs"] = kv_runs
+        if self.sdpa_kernel:
+            extra["sdpa"] = True
         for layer in self.layers[lo:hi]:
             out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin, **extra)
             x = out[0] if isinstance(out, tuple) else out

@@ -1,4 +1,5 @@
-"""The CPU's grouped-query attention equals SDPA (float64), with additive, bool, per-head and causal masks."""
+"""The CPU's grouped-query attention equals SDPA (float64), with additive, bool, per-head and causal masks, with
+either innermost kernel (grouped matmuls, or torch's SDPA where it measures faster)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def sdpa(query, key, value, mask, scaling):
     return out.transpose(1, 2)
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("q,k", [(1, 7), (5, 12), (6, 6)])
 @pytest.mark.parametrize("kind", ["additive", "additive_heads", "bool", "none"])
-def test_grouped_attention_equals_sdpa(q, k, kind):
+def test_grouped_attention_equals_sdpa(q, k, kind, kernel):
     gen = torch.Generator().manual_seed(q * 31 + k)
     b, h, kvh, d = 3, 6, 2, 8
     query = torch.randn(b, h, q, d, generator=gen, dtype=torch.float64)
@@ -34,7 +36,7 @@ def test_grouped_attention_equals_sdpa(q, k, kind):
             "additive_heads": torch.zeros(b, h, q, k, dtype=torch.float64).masked_fill(~allowed.expand(b, h, q, k),
                                                                                         -1e300),
             "bool": allowed, "none": None}[kind]
-    got, _ = grouped_attention(None, query, key, value, mask, scaling=0.3)
+    got, _ = grouped_attention(None, query, key, value, mask, scaling=0.3, sdpa=kernel)
     want = sdpa(query, key, value, mask, 0.3)
     assert got.shape == (b, q, h, d)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -71,7 +73,8 @@ def test_engine_layers_use_grouped_and_transformers_baselines_get_stock_sdpa():
     assert model.config._attn_implementation == GROUPED  # restored for the engine
 
 
-def test_kv_groups_attend_each_row_over_its_own_slots_and_equal_one_group():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_kv_groups_attend_each_row_over_its_own_slots_and_equal_one_group(kernel):
     """Rows of 3, 11, 4, 20 visible slots (their masks say so) in groups over only their own longest: the output
     equals one group over all 20; a group cut short of a row's visible slots differs (the check can fail)."""
     gen = torch.Generator().manual_seed(5)
@@ -88,10 +91,10 @@ def test_kv_groups_attend_each_row_over_its_own_slots_and_equal_one_group():
     plan = plan_kv_groups(lengths, overhead=0)
     assert sorted(i for g in plan for i in g) == [0, 1, 2, 3] and len(plan) > 1
     groups = [(torch.tensor(g), max(lengths[i] for i in g)) for g in plan]
-    got, _ = grouped_attention(None, query, key, value, mask, kv_groups=groups)
+    got, _ = grouped_attention(None, query, key, value, mask, kv_groups=groups, sdpa=kernel)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     short = [(torch.tensor(g), max(lengths[i] for i in g) - (3 in g)) for g in plan]  # the 20-slot row sees 19
-    bad, _ = grouped_attention(None, query, key, value, mask, kv_groups=short)
+    bad, _ = grouped_attention(None, query, key, value, mask, kv_groups=short, sdpa=kernel)
     assert not torch.allclose(bad, want)
 
 
@@ -136,3 +139,45 @@ def test_prompt_passes_in_query_blocks_equal_one_block(monkeypatch):
         monkeypatch.setattr(attention, "QUERY_BLOCK", 128)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert not torch.allclose(got, grouped_attention(None, query, key[:, :, :-6], value[:, :, :-6], mask)[0])
+
+
+def test_the_faster_kernel_is_chosen_by_measurement_and_reaches_the_layers(monkeypatch):
+    """`sdpa_is_faster` picks SDPA only when it measures a quarter faster (a slowed kernel loses either way); a stack
+    built with the choice passes it to every layer call, and greedy decoding is the same with either kernel."""
+    import time
+
+    import s2d_ray.core.attention as attention
+    import s2d_ray.core.stack as stack
+    from core_fixtures import random_prompts, tiny_target
+    from s2d_ray.core.engine import SpecEngine
+    from s2d_ray.core.target import TargetVerifier
+    from test_engine_exact import run
+
+    real = attention._attend
+
+    def slowed(which):
+        def attend(q, k, v, m, scale, kernel=False):
+            if kernel == which:
+                time.sleep(0.002)
+            return real(q, k, v, m, scale, kernel)
+        return attend
+
+    measure = attention.sdpa_is_faster.__wrapped__  # not the per-process cache
+    monkeypatch.setattr(attention, "_attend", slowed(True))
+    assert measure(4, 2, 8, torch.float64, 32, 3) is False
+    monkeypatch.setattr(attention, "_attend", slowed(False))
+    assert measure(4, 2, 8, torch.float64, 32, 3) is True
+    monkeypatch.setattr(attention, "_attend", real)
+
+    seen, outs = [], {}
+    for kernel in ("grouped", "sdpa"):
+        monkeypatch.setattr(stack, "ATTENTION_KERNEL", kernel)
+        model = tiny_target(seed=3)
+        verifier = TargetVerifier(model)
+        assert verifier.stack.sdpa_kernel is (kernel == "sdpa")
+        hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append((kernel, kwargs.get("sdpa", False))), with_kwargs=True)
+        outs[kernel] = [o.token_ids for o in run(SpecEngine(verifier), random_prompts(3, seed=4), 12, batch=True)]
+        hook.remove()
+    assert {("grouped", False), ("sdpa", True)} == set(seen)
+    assert outs["grouped"] == outs["sdpa"]
