@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .cache import additive_mask
+
 GROUPED = "s2d_grouped"
 # Up to this many stacked queries per KV head, scores are computed as K @ Q^T: BLAS reads the cache's K view (row
 # stride kv_heads x head_dim) as it is, where Q @ K^T made torch copy every row's K first. 8 decode rows over 830
@@ -111,7 +113,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attenti
     kvh, k = key.shape[1], key.shape[2]
     if sdpa:
         if attention_mask is None:
-            mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q) if q > 1 else None
+            mask = _causal(q, k, query.device) if q > 1 else None
         else:
             mask = attention_mask[..., :k]
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
@@ -127,8 +129,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attenti
     scores = scores.reshape(b, kvh, g, q, k).to(acc) * scale
     if attention_mask is None:
         if q > 1:
-            allowed = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
-            scores = scores.masked_fill(~allowed, torch.finfo(acc).min)
+            scores = scores.masked_fill(~_causal(q, k, query.device), torch.finfo(acc).min)
     else:
         mask = attention_mask[..., :k]
         mask = mask.reshape(mask.shape[0], kvh if mask.shape[1] == h else 1, g if mask.shape[1] == h else 1, q, k)
@@ -139,6 +140,11 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attenti
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kvh, g * q, k)
     out = torch.matmul(probs, value).view(b, h, q, d)
     return out.transpose(1, 2).contiguous()
+
+
+def _causal(q: int, k: int, device: torch.device) -> torch.Tensor:
+    """[q, k] bool: the last q of k positions, each seeing keys up to its own (causal, aligned to the last key)."""
+    return torch.ones(q, k, dtype=torch.bool, device=device).tril(k - q)
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,9 +158,7 @@ def sdpa_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
         qry = torch.randn(rows, num_heads, q, head_dim).to(dtype)
         key = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)  # the cache's strided view
         value = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)
-        allowed = torch.ones(rows, 1, q, slots, dtype=torch.bool).tril(slots - q)
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        return qry, key, value, mask
+        return qry, key, value, additive_mask(_causal(q, slots, qry.device).expand(rows, q, slots), dtype)
 
     cases = [case(1, 1), case(1, 16), case(8, 1)]
     best = {False: [float("inf")] * len(cases), True: [float("inf")] * len(cases)}

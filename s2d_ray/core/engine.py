@@ -182,7 +182,7 @@ class SpecEngine:
         out = []
         for seq, tree, e in zip(live, trees, est):
             kept = tree.keep(cap, rank=e, max_depth=max(self._remaining(seq), 0))
-            out.append(Proposal(kept.tokens, None, kept.exits, kept.parents, kept.scores, kept.match_ngram))
+            out.append(kept.proposal())
         return out
 
     def score_requests(self, drafts: list[DraftRequest], proposals: list[Proposal]) -> list[ScoreRequest]:

@@ -71,7 +71,7 @@ class PromptLookup:
         for req in requests:
             tree = TokenTree()
             add_lookup(tree, self.matches(req))
-            out.append(Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores, tree.match_ngram))
+            out.append(tree.proposal())
         return out
 
     def release(self, seq_id: str) -> None:
@@ -134,5 +134,5 @@ def _merge(requests: list[DraftRequest], matches: list[list[LookupMatch]], need:
             for j, (tok, par, ex, sc) in enumerate(zip(prop.tokens, parents, prop.exits, scores)):
                 index[j] = tree.add(index.get(par, -1), tok, ex, sc)
         add_lookup(tree, m)
-        out[i] = Proposal(tree.tokens, None, tree.exits, tree.parents, tree.scores, tree.match_ngram)
+        out[i] = tree.proposal()
     return out

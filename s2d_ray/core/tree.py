@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import logits_to_probs, sample
-from .types import SamplingParams
+from .types import Proposal, SamplingParams
 
 LOOKUP = 0  # `exits` value of a node proposed by n-gram lookup (draft exits are layer numbers >= 1)
 LOOKUP_BRANCH = -1  # a node only lookup's other continuations proposed (an older occurrence; accepted less often)
@@ -81,6 +81,10 @@ class TokenTree:
 
     def depths(self) -> list[int]:
         return node_depths(self.parents)
+
+    def proposal(self) -> Proposal:
+        """This tree as a drafter's proposal (deterministic nodes: no q)."""
+        return Proposal(self.tokens, None, self.exits, self.parents, self.scores, self.match_ngram)
 
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
