@@ -1,5 +1,5 @@
-# Run from the repository root: python docs/img/stage6_curve.py [MANIFEST.json] (default: data/draftq/resume, the
-# exported stage-6 run, whose MANIFEST carries the whole validation curve across machines).
+# Run from the repository root: python docs/img/stage6_curve.py [MANIFEST.json] (default: the committed draft, stage 6
+# since session 21, whose MANIFEST carries the whole validation curve across machines).
 """Stage 6 (issue 16): held-out on-path agreement per exit and top-4 at the deepest exit, per target, against
 labelled training tokens, with the issue's goals drawn in."""
 import json
@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-path = sys.argv[1] if len(sys.argv) > 1 else "data/draftq/resume/MANIFEST.json"
+path = sys.argv[1] if len(sys.argv) > 1 else "s2d_ray/assets/drafts/smollm2-135m-s2d/MANIFEST.json"
 curve = json.load(open(path))["curve"]
 targets = {"smollm2-135m-instruct": ("instruct target", 0.60), "smollm2-135m-gsm8k": ("GSM8K target", 0.55)}
 fig, axes = plt.subplots(1, len(targets), figsize=(11, 4), sharey=True)
