@@ -5,8 +5,10 @@
 #   SRC=/work/main (HEAD) TAG=new
 # In-process Spec-Bench, both targets side by side (one core each), 1 thread, 2 questions a category, 128 tokens,
 # methods interleaved per question; each tree's committed draft and profiles. Run under /work/notes/quiet.sh (the
-# stage-6 training paused). Outputs land in /work/main/bench_results/spec-s20 whichever SRC ran.
-OUT=/work/main/bench_results/spec-s20
+# stage-6 training paused). Outputs land in OUT (default /work/main/bench_results/spec-s20) whichever SRC ran.
+# Session 21 reran it as the A/B of the packed several-row projections (core/linear.py) and the fp32 grid measured
+# under them: OUT=/work/main/bench_results/spec-s21 with SRC=<worktree at 676eb26> TAG=base, then SRC=<HEAD> TAG=new.
+OUT=${OUT:-/work/main/bench_results/spec-s20}
 M=hf-generate,ar,hf-prompt-lookup,lookup,s2d
 cd "${SRC:?}"
 core() { [[ $1 == smollm2-135m-instruct ]] && echo 0 || echo 1; }

@@ -8,8 +8,10 @@ token prefix a caller sends cuts those counts back to the common prefix, which i
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,6 +22,7 @@ from torch import nn
 from ..errors import CapacityError, ModelLoadError
 from .attention import plan_kv_groups, sdpa_is_faster, use_grouped
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
+from .linear import PackedLinear, packed_is_faster, supported, with_packed_linears
 from .threads import intra_op_threads, pass_threads
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,12 @@ class DecoderParts:
 SDPA_ON_CPU = False
 # The CPU's innermost attention kernel: "auto" (measured when a stack is built), "grouped" or "sdpa" (tests pin one).
 ATTENTION_KERNEL = "auto"
+# The CPU's kernel for projections over several rows: "auto" (oneDNN on a packed weight where measured faster per
+# shape, core/linear.py), "stock" (torch's F.linear everywhere) or "packed" (every Linear); the environment variable
+# S2D_LINEAR_KERNEL sets it for a process (benchmarks' A/B), tests pin it.
+LINEAR_KERNEL = os.environ.get("S2D_LINEAR_KERNEL", "auto")
+if LINEAR_KERNEL not in ("auto", "stock", "packed"):
+    raise ValueError(f"S2D_LINEAR_KERNEL={LINEAR_KERNEL!r}: expected auto, stock or packed")
 
 
 def cache_kwarg(layer: nn.Module) -> str:
@@ -126,6 +135,37 @@ class LayerStack(nn.Module):
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
         self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
+        self.packed_linears = 0  # how many projections run packed for several rows (use_packed_linears)
+        self._head_packed: PackedLinear | None = None
+
+    def use_packed_linears(self) -> int:
+        """On the CPU, run this stack's projections over several rows through oneDNN on packed weights where that
+        measured faster for their shape (core/linear.py); one row keeps the stock kernel. The layers become copies
+        that share every parameter, so the model's own forward is untouched. Returns how many were packed."""
+        if self.device.type != "cpu" or LINEAR_KERNEL == "stock" or self.packed_linears:
+            return self.packed_linears
+        threads = torch.get_num_threads()
+
+        def chosen(linear: nn.Module) -> bool:
+            w = linear.weight
+            if LINEAR_KERNEL == "packed":
+                return supported(w.dtype)
+            return packed_is_faster(w.shape[0], w.shape[1], w.dtype, threads)
+
+        self.layers = nn.ModuleList(with_packed_linears(layer, chosen) for layer in self.layers)
+        count = sum(isinstance(m, PackedLinear) for m in self.layers.modules())
+        if type(self.parts.head) is nn.Linear and self.vocab_ids is None and chosen(self.parts.head):
+            self.parts = dataclasses.replace(self.parts, head=with_packed_linears(self.parts.head, chosen))
+            count += 1
+        if self._head_rows is not None:  # a reduced-vocabulary head (the draft's rows of the LM head)
+            rows = PackedLinear(self._head_rows)
+            if chosen(rows):
+                self._head_packed = rows
+                count += 1
+        self.packed_linears = count
+        if count:
+            logger.info("%d projections run packed for several rows (oneDNN, measured faster on this CPU)", count)
+        return count
 
     def use_graphs(self, capture: bool | None = None) -> None:
         """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`
@@ -160,7 +200,10 @@ class LayerStack(nn.Module):
         if self.vocab_ids is None:
             # [tokens, h] goes in as [1, tokens, h]: AutoTP's sharded LM head slices a [batch, seq, h] input.
             return self.parts.head(normed[None])[0] if normed.dim() == 2 else self.parts.head(normed)
-        sub = torch.nn.functional.linear(normed, self._head_rows.to(normed.dtype))
+        if self._head_packed is not None and normed.dtype == self._head_rows.dtype:
+            sub = self._head_packed(normed)
+        else:
+            sub = torch.nn.functional.linear(normed, self._head_rows.to(normed.dtype))
         full = sub.new_full((*sub.shape[:-1], self.parts.head.weight.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids.to(sub.device), sub)
 
