@@ -3,7 +3,7 @@
 # (`--compare-plain`), levels 1 and 8, 24 Spec-Bench prompts, 64 tokens, deployments/local.yaml of each checkout:
 # base = a worktree at 676eb26 (stock kernels, their fp32 grid), new = HEAD (several-row projections on packed
 # weights, the grid measured under them). Run alone, under /work/notes/quiet.sh.
-OUT=/work/main/bench_results/serve-s21/ab
+OUT=${OUT:-/work/main/bench_results/serve-s21/ab}
 mkdir -p $OUT
 n=0
 for v in ${ORDER:-base new}; do

@@ -81,8 +81,8 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
 
 
 class PackedLinear(nn.Module):
-    """A Linear whose several-row calls run oneDNN on a packed copy of the weight; one row, autograd and non-CPU
-    inputs run the stock kernel. The weight and bias are the original Parameters (shared, same state-dict keys); the
+    """A Linear whose several-row calls run oneDNN on a packed copy of the weight; one row (or none), autograd and
+    non-CPU inputs run the stock kernel. The weight and bias are the original Parameters (shared, same state-dict keys); the
     packed copy follows them: it is remade when the weight changes (in-place updates bump its version)."""
 
     def __init__(self, weight: nn.Parameter | torch.Tensor, bias: nn.Parameter | torch.Tensor | None = None) -> None:
@@ -101,7 +101,7 @@ class PackedLinear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() == x.shape[-1] or x.device.type != "cpu" or self.weight.device.type != "cpu"
+        if (x.numel() <= x.shape[-1] or x.device.type != "cpu" or self.weight.device.type != "cpu"
                 or torch.is_grad_enabled() and self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         return _packed_linear(x, self.packed(), None if self.bias is None else self.bias.detach())
