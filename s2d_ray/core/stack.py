@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import CapacityError, ModelLoadError
 from .attention import plan_kv_groups, sdpa_is_faster, use_grouped
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
-from .linear import PackedLinear, packed_is_faster, supported, with_packed_linears
+from .linear import PackedLinear, packed, packed_is_faster, supported, with_packed_linears
 from .threads import intra_op_threads, pass_threads
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class LayerStack(nn.Module):
         self.layers = nn.ModuleList(with_packed_linears(layer, chosen) for layer in self.layers)
         count = sum(isinstance(m, PackedLinear) for m in self.layers.modules())
         if type(self.parts.head) is nn.Linear and self.vocab_ids is None and chosen(self.parts.head):
-            self.parts = dataclasses.replace(self.parts, head=with_packed_linears(self.parts.head, chosen))
+            self.parts = dataclasses.replace(self.parts, head=packed(self.parts.head))
             count += 1
         if self._head_rows is not None:  # a reduced-vocabulary head (the draft's rows of the LM head)
             rows = PackedLinear(self._head_rows)

@@ -72,8 +72,28 @@ def test_the_choice_is_measured_per_shape(monkeypatch):
     assert TargetVerifier(model).stack.packed_linears == 0
     monkeypatch.setattr(stack, "LINEAR_KERNEL", "packed")
     assert TargetVerifier(tiny_target(seed=2)).stack.packed_linears == 0  # float64: oneDNN has no kernel, never packed
-    measured = linear.packed_is_faster.__wrapped__(64, 32, torch.float32, 1, 2)
-    assert measured in (True, False)
+
+
+def test_the_measurement_follows_the_faster_kernel(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    measure = linear.packed_is_faster.__wrapped__  # not the per-process cache
+    real_packed, real_stock = linear._packed_linear, linear.F.linear
+
+    def slow_packed(x, p, b):
+        time.sleep(0.001)
+        return real_packed(x, p, b)
+
+    def slow_stock(x, w, b=None):
+        time.sleep(0.001)
+        return real_stock(x, w, b)
+
+    monkeypatch.setattr(linear, "_packed_linear", slow_packed)
+    assert measure(64, 32, torch.float32, 1, 2) is False
+    monkeypatch.setattr(linear, "_packed_linear", real_packed)
+    monkeypatch.setattr(linear, "F", SimpleNamespace(linear=slow_stock))
+    assert measure(64, 32, torch.float32, 1, 2) is True
 
 
 def test_greedy_speculation_with_packed_projections_equals_target_greedy(monkeypatch):
