@@ -9,7 +9,7 @@ paths=(); for t in "${targets[@]}"; do paths+=("$run/heldout/$(basename "$t").js
 autocast=(); [[ -n ${AUTOCAST-auto} ]] && autocast=(--autocast "${AUTOCAST-auto}")
 recipe=(--target "${targets[0]}" --data "$run/sd-multi" --vocab-size 8192 --kd-target "${targets[@]}" --kd-weight 1.0
         --train-norm-head --kd-cache "$run/kdcache" --kd-cache-dtype "${KD_CACHE_DTYPE:-auto}" --kd-topk 32
-        --seq-len 256 --batch-size 2 --lr 3e-4 "${autocast[@]}" --val-examples 47 --seed 5 --threads "$threads"
+        --seq-len 256 --batch-size 2 --lr "${LR:-3e-4}" "${autocast[@]}" --val-examples 47 --seed 5 --threads "$threads"
         --no-progress --device "${DEVICE:-auto}" --onpath-data "${paths[@]}")
 
 # profile DRAFT TARGET DTYPE: where the draft's calibration for that target and dtype lives (as --calibration auto

@@ -9,8 +9,10 @@
 #           distill  the same with --exit-distill 0.5 (shallow exits also learn from the detached deepest one)
 #           deep     DEEP_LAYERS (9) layers, DEEP_EXITS (3,6,9), grown from INIT (its trained layers, then the
 #                    target's next ones)
-# Environment: INIT (RUN_DIR/drafts/stage5 when it exists, else the committed draft), STEPS (1000), CAL_DTYPE
-# (bfloat16), and PYTHON, THREADS, TARGETS, DEVICE, AUTOCAST, PIDFILE as in draft_scale.sh. Every stage resumes.
+# Environment: INIT (RUN_DIR/drafts/stage5 when it exists, else the committed draft), STEPS (1000), LR (3e-4, the
+# recipe's peak; 3e-5 continues a finished draft at its final rate), OUT (RUN_DIR/exits: one folder per STEPS/LR
+# setting), CAL_DTYPE (bfloat16), and PYTHON, THREADS, TARGETS, DEVICE, AUTOCAST, PIDFILE as in draft_scale.sh. Every
+# stage resumes.
 # Dry run with tiny random targets: docs/TRAINING.md, "Scaling up".
 set -euo pipefail
 [[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
@@ -29,7 +31,7 @@ for v in "${variants[@]}"; do
     deep) shape=(--layers "${DEEP_LAYERS:-9}" --exits "${DEEP_EXITS:-3,6,9}") ;;
     *) echo "unknown variant $v (base, weights, distill, deep)" >&2; exit 2 ;;
   esac
-  out=$run/exits/$v
+  out=${OUT:-$run/exits}/$v
   if [[ ! -f $out/draft/MANIFEST.json ]]; then
     resume=(); [[ -f $out/run/checkpoint.pt ]] && resume=(--resume)
     s2d train-draft "${recipe[@]}" --out "$out/run" --save "$out/draft" --init "$init" "${shape[@]}" \
@@ -39,7 +41,7 @@ for v in "${variants[@]}"; do
     [[ -f $(profile "$out/draft" "$t" "${CAL_DTYPE:-bfloat16}") ]] || calibrate "$out/draft" "$t" "${CAL_DTYPE:-bfloat16}"
   done
 done
-"$py" - "$run/exits" "${CAL_DTYPE:-bfloat16}" "${variants[@]}" <<'EOF'
+"$py" - "${OUT:-$run/exits}" "${CAL_DTYPE:-bfloat16}" "${variants[@]}" <<'EOF'
 import json, sys
 from pathlib import Path
 root, dtype, variants = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
