@@ -217,7 +217,7 @@ class SortedDrafter:
             self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda" and self.stack.graphs is None:
             self.stack.use_graphs()  # each segment's forwards as CUDA graphs (core/graphs.py)
-        self.stack.use_packed_linears()  # CPU: several-row projections on packed weights where faster (core/linear.py)
+        self.stack.use_packed_linears()  # CPU: projections on packed weights where faster (core/linear.py)
         self.exit_layers = draft.spec.exit_layers
         self.thresholds = draft.spec.thresholds
         self.stop_confidence = stop_confidence  # stop drafting a sequence when its q(x) falls below this

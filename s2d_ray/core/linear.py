@@ -1,12 +1,22 @@
-"""CPU projections for several rows: oneDNN with the weight packed once, where that measured faster on this CPU.
+"""CPU projections on weights packed once, where that measured faster on this CPU: oneDNN for several rows, MKL's
+packed GEMM for one row.
 
-Why: verification and batched decoding push 2-32 rows through every projection. On an AVX2 CPU in fp32 the stock
-kernel (MKL's GEMM) costs 1.7-3.5x a single row's GEMV already at 2-3 rows (it repacks the weight on every call), so
-verifying a second position cost 1.5 decode steps and no draft could pay for it. oneDNN's linear with a weight
-reordered once (`torch.ops.mkldnn._reorder_linear_weight`, what torch inductor's CPU weight prepacking calls) runs
-2-3 rows for about one row's time on the large shapes (the MLP, the LM head), and loses on small ones (k/v). So the
-choice is measured per weight shape when a stack asks for it (`packed_is_faster`), and one row always takes the
-stock kernel: plain decoding runs exactly what it ran before. The packed copy costs the weight's memory once more.
+Why several rows: verification and batched decoding push 2-32 rows through every projection. On an AVX2 CPU in fp32
+the stock kernel (MKL's GEMM) costs 1.7-3.5x a single row's GEMV already at 2-3 rows (it repacks the weight on every
+call), so verifying a second position cost 1.5 decode steps and no draft could pay for it. oneDNN's linear with a
+weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, what torch inductor's CPU weight prepacking calls)
+runs 2-3 rows for about one row's time on the large shapes (the MLP, the LM head), and loses on small ones (k/v).
+
+Why one row: a decode step (plain rounds, `ar`, every draft step) is one row per sequence. MKL's GEMM on a weight
+packed for exactly one row (`torch.ops.mkl._mkl_reorder_linear_weight(w, 1)`) runs the 49k-row LM head in ~55% of the
+stock GEMV's time on this AVX2 host (4.8 vs 8.7 ms) and the MLP's up/gate in ~75%; fp32 only. Its packed copy is
+larger than the weight (2x for the head, 3.4x for the MLP's), so a shape takes it only where it measured faster AND
+the copy is at most ONE_ROW_MAX_COPY times the weight's bytes. Other row counts on that copy fall back to the stock
+kernel inside MKL, so the several-row choice above is independent.
+
+Each choice is measured per weight shape, dtype and thread count when a stack asks for it (`packed_is_faster`,
+`one_row_is_faster`). Rounding differs from the stock kernel by ~1e-6 relative (the stock kernel is not
+batch-invariant either); fp64 is never packed.
 """
 
 from __future__ import annotations
@@ -48,6 +58,63 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
+ONE_ROW_MAX_COPY = 2.5  # the one-row copy's bytes over the weight's: the head's 2x passes, the MLP's 3.4x does not
+
+
+@functools.lru_cache(maxsize=None)
+def one_row_supported(dtype: torch.dtype) -> bool:
+    """Whether MKL's one-row packed GEMM runs here for this dtype (fp32 only, with MKL)."""
+    if not (dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops, "mkl")
+            and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return False
+    try:
+        w = torch.ones(4, 8, dtype=dtype)
+        _one_row_linear(torch.ones(1, 8, dtype=dtype), _pack_one_row(w), w, None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _pack_one_row(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 1)
+
+
+def _one_row_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkl._mkl_linear(x, packed, weight.detach(), bias, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, threads: int,
+                      repeats: int = 5) -> bool:
+    """Whether MKL's one-row packed GEMM beats the stock kernel at one row for this weight shape (best of `repeats`,
+    alternated, several weights so they do not all sit in cache) with a copy at most ONE_ROW_MAX_COPY times the
+    weight. Once per process, shape, dtype and thread count."""
+    if not one_row_supported(dtype):
+        return False
+    try:
+        count = max(1, min(24, (32 << 20) // (out_features * in_features * torch.finfo(dtype).bits // 8)))
+        weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
+        packed = [_pack_one_row(w) for w in weights]
+        if packed[0].numel() > ONE_ROW_MAX_COPY * weights[0].numel():
+            return False
+        x = torch.randn(1, in_features).to(dtype)
+        best = {False: float("inf"), True: float("inf")}
+        with torch.no_grad():
+            for _ in range(repeats):
+                for use_packed in (False, True):
+                    t0 = time.perf_counter()
+                    for w, p in zip(weights, packed):
+                        _one_row_linear(x, p, w, None) if use_packed else F.linear(x, w)
+                    best[use_packed] = min(best[use_packed], time.perf_counter() - t0)
+    except RuntimeError as exc:
+        logger.debug("one-row packed linear unavailable for %s: %s", dtype, exc)
+        return False
+    logger.debug("linear %dx%d %s one row: stock %.3f ms, packed %.3f ms", out_features, in_features, dtype,
+                 best[False] * 1e3, best[True] * 1e3)
+    return best[True] < MIN_GAIN * best[False]
+
+
 @functools.lru_cache(maxsize=None)
 def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, threads: int, repeats: int = 5) -> bool:
     """Whether the packed kernel beats the stock one for this weight shape and dtype on this CPU at 2, 4 and 8 rows
@@ -81,51 +148,69 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
 
 
 class PackedLinear(nn.Module):
-    """A Linear whose several-row calls run oneDNN on a packed copy of the weight; one row (or none), autograd and
-    non-CPU inputs run the stock kernel. The weight and bias are the original Parameters (shared, same state-dict keys); the
-    packed copy follows them: it is remade when the weight changes (in-place updates bump its version)."""
+    """A Linear with packed copies of its weight: several-row calls run oneDNN on one (`several`), one-row calls MKL's
+    one-row GEMM on the other (`one_row`); anything not enabled, autograd and non-CPU inputs run the stock kernel.
+    The weight and bias are the original Parameters (shared, same state-dict keys); the packed copies follow them:
+    each is remade when the weight changes (in-place updates bump its version)."""
 
-    def __init__(self, weight: nn.Parameter | torch.Tensor, bias: nn.Parameter | torch.Tensor | None = None) -> None:
+    def __init__(self, weight: nn.Parameter | torch.Tensor, bias: nn.Parameter | torch.Tensor | None = None,
+                 several: bool = True, one_row: bool = False) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
-        self._packed: torch.Tensor | None = None
-        self._key: tuple | None = None
+        self.several, self.one_row = several, one_row
+        self._copies: dict[str, tuple[tuple, torch.Tensor]] = {}
 
-    def packed(self) -> torch.Tensor:
+    def _copy(self, kind: str) -> torch.Tensor:
         w = self.weight
         key = (w.data_ptr(), w._version, w.dtype)
-        if key != self._key:
-            self._packed, self._key = _pack(w), key
-        return self._packed
+        held = self._copies.get(kind)
+        if held is None or held[0] != key:
+            held = (key, _pack(w) if kind == "several" else _pack_one_row(w))
+            self._copies[kind] = held
+        return held[1]
+
+    def packed(self) -> torch.Tensor:
+        """The several-row (oneDNN) copy."""
+        return self._copy("several")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.numel() <= x.shape[-1] or x.device.type != "cpu" or self.weight.device.type != "cpu"
-                or torch.is_grad_enabled() and self.weight.requires_grad):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        stock = (rows == 0 or not (self.one_row if rows == 1 else self.several) or x.device.type != "cpu"
+                 or self.weight.device.type != "cpu" or torch.is_grad_enabled() and self.weight.requires_grad)
+        if stock:
             return F.linear(x, self.weight, self.bias)
-        return _packed_linear(x, self.packed(), None if self.bias is None else self.bias.detach())
+        bias = None if self.bias is None else self.bias.detach()
+        if rows == 1:
+            return _one_row_linear(x, self._copy("one_row"), self.weight, bias)
+        return _packed_linear(x, self.packed(), bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for several rows"
+        kinds = [k for k in ("several", "one_row") if getattr(self, k)]
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {'+'.join(kinds)}"
 
 
 # One PackedLinear per original Linear (a target's first layers also serve a cut draft: packed once).
 _WRAPPED: weakref.WeakKeyDictionary[nn.Linear, PackedLinear] = weakref.WeakKeyDictionary()
 
 
-def packed(linear: nn.Linear) -> PackedLinear:
+def packed(linear: nn.Linear, several: bool = True, one_row: bool = False) -> PackedLinear:
+    """The one PackedLinear of `linear`, with the kernels asked for enabled (added to any enabled before)."""
     if linear not in _WRAPPED:
-        _WRAPPED[linear] = PackedLinear(linear.weight, linear.bias)
-    return _WRAPPED[linear]
+        _WRAPPED[linear] = PackedLinear(linear.weight, linear.bias, several, one_row)
+    wrapped = _WRAPPED[linear]
+    wrapped.several, wrapped.one_row = wrapped.several or several, wrapped.one_row or one_row
+    return wrapped
 
 
 def with_packed_linears(module: nn.Module, chosen) -> nn.Module:
-    """A structural copy of `module` whose Linear children that `chosen(linear)` accepts are PackedLinear; every
-    parameter, buffer and untouched submodule is shared with the original, which is left as it was (a Hugging Face
-    model's own forward and `generate` keep the stock kernels)."""
+    """A structural copy of `module` whose Linear children `chosen(linear)` -> (several, one_row) packs for either are
+    PackedLinear; every parameter, buffer and untouched submodule is shared with the original, which is left as it was
+    (a Hugging Face model's own forward and `generate` keep the stock kernels)."""
     if type(module) is nn.Linear:
-        return packed(module) if chosen(module) else module
+        several, one_row = chosen(module)
+        return packed(module, several, one_row) if several or one_row else module
     children = {name: with_packed_linears(child, chosen) if child is not None else None
                 for name, child in module._modules.items()}
     if all(children[name] is child for name, child in module._modules.items()):

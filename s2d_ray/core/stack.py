@@ -22,7 +22,9 @@ from torch import nn
 from ..errors import CapacityError, ModelLoadError
 from .attention import plan_kv_groups, sdpa_is_faster, use_grouped
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
-from .linear import PackedLinear, packed, packed_is_faster, supported, with_packed_linears
+from .linear import (
+    PackedLinear, one_row_is_faster, one_row_supported, packed, packed_is_faster, supported, with_packed_linears,
+)
 from .threads import intra_op_threads, pass_threads
 
 logger = logging.getLogger(__name__)
@@ -46,12 +48,14 @@ class DecoderParts:
 SDPA_ON_CPU = False
 # The CPU's innermost attention kernel: "auto" (measured when a stack is built), "grouped" or "sdpa" (tests pin one).
 ATTENTION_KERNEL = "auto"
-# The CPU's kernel for projections over several rows: "auto" (oneDNN on a packed weight where measured faster per
-# shape, core/linear.py), "stock" (torch's F.linear everywhere) or "packed" (every Linear); the environment variable
-# S2D_LINEAR_KERNEL sets it for a process (benchmarks' A/B), tests pin it.
+# The CPU's kernels for projections (core/linear.py): "auto" (packed weights where measured faster per shape: oneDNN
+# for several rows, MKL for one row), "several" (the several-row choice only; one row stock), "stock" (torch's F.linear
+# everywhere) or "packed" (every Linear both ways where the dtype allows); the environment variable S2D_LINEAR_KERNEL
+# sets it for a process (benchmarks' A/B), tests pin it.
+LINEAR_KERNELS = ("auto", "several", "stock", "packed")
 LINEAR_KERNEL = os.environ.get("S2D_LINEAR_KERNEL", "auto")
-if LINEAR_KERNEL not in ("auto", "stock", "packed"):
-    raise ValueError(f"S2D_LINEAR_KERNEL={LINEAR_KERNEL!r}: expected auto, stock or packed")
+if LINEAR_KERNEL not in LINEAR_KERNELS:
+    raise ValueError(f"S2D_LINEAR_KERNEL={LINEAR_KERNEL!r}: expected one of {', '.join(LINEAR_KERNELS)}")
 
 
 def cache_kwarg(layer: nn.Module) -> str:
@@ -135,37 +139,41 @@ class LayerStack(nn.Module):
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
         self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
-        self.packed_linears = 0  # how many projections run packed for several rows (use_packed_linears)
+        self.packed_linears = 0  # how many projections run packed, either way (use_packed_linears)
+        self.one_row_linears = 0  # ... of them for one row (MKL)
         self._head_packed: PackedLinear | None = None
 
     def use_packed_linears(self) -> int:
-        """On the CPU, run this stack's projections over several rows through oneDNN on packed weights where that
-        measured faster for their shape (core/linear.py); one row keeps the stock kernel. The layers become copies
-        that share every parameter, so the model's own forward is untouched. Returns how many were packed."""
+        """On the CPU, run this stack's projections on packed weights where that measured faster for their shape
+        (core/linear.py): oneDNN for several rows, MKL for one row. The layers become copies that share every
+        parameter, so the model's own forward is untouched. Returns how many projections were packed either way."""
         if self.device.type != "cpu" or LINEAR_KERNEL == "stock" or self.packed_linears:
             return self.packed_linears
         threads = torch.get_num_threads()
 
-        def chosen(linear: nn.Module) -> bool:
+        def chosen(linear: nn.Module) -> tuple[bool, bool]:
             w = linear.weight
             if LINEAR_KERNEL == "packed":
-                return supported(w.dtype)
-            return packed_is_faster(w.shape[0], w.shape[1], w.dtype, threads)
+                return supported(w.dtype), one_row_supported(w.dtype)
+            one = LINEAR_KERNEL == "auto" and one_row_is_faster(w.shape[0], w.shape[1], w.dtype, threads)
+            return packed_is_faster(w.shape[0], w.shape[1], w.dtype, threads), one
 
         self.layers = nn.ModuleList(with_packed_linears(layer, chosen) for layer in self.layers)
-        count = sum(isinstance(m, PackedLinear) for m in self.layers.modules())
-        if type(self.parts.head) is nn.Linear and self.vocab_ids is None and chosen(self.parts.head):
-            self.parts = dataclasses.replace(self.parts, head=packed(self.parts.head))
-            count += 1
+        if type(self.parts.head) is nn.Linear and self.vocab_ids is None and any(choice := chosen(self.parts.head)):
+            self.parts = dataclasses.replace(self.parts, head=packed(self.parts.head, *choice))
         if self._head_rows is not None:  # a reduced-vocabulary head (the draft's rows of the LM head)
             rows = PackedLinear(self._head_rows)
-            if chosen(rows):
+            rows.several, rows.one_row = chosen(rows)
+            if rows.several or rows.one_row:
                 self._head_packed = rows
-                count += 1
-        self.packed_linears = count
-        if count:
-            logger.info("%d projections run packed for several rows (oneDNN, measured faster on this CPU)", count)
-        return count
+        candidates = [*self.layers.modules(), self.parts.head, self._head_packed]
+        wrapped = [m for m in candidates if isinstance(m, PackedLinear)]
+        self.packed_linears = len(wrapped)
+        self.one_row_linears = sum(m.one_row for m in wrapped)
+        if wrapped:
+            logger.info("%d projections run packed for several rows (oneDNN), %d for one row (MKL): measured faster "
+                        "on this CPU", sum(m.several for m in wrapped), self.one_row_linears)
+        return self.packed_linears
 
     def use_graphs(self, capture: bool | None = None) -> None:
         """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`

@@ -43,7 +43,7 @@ class TargetVerifier:
         self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda":
             self.stack.use_graphs()  # decode and verify forwards as CUDA graphs (core/graphs.py)
-        self.stack.use_packed_linears()  # CPU: several-row projections on packed weights where faster (core/linear.py)
+        self.stack.use_packed_linears()  # CPU: projections on packed weights where faster (core/linear.py)
         self.cache = self.stack.new_cache()
         self.table = RowTable(1, self.cache)
         self.vocab_size = model.config.vocab_size

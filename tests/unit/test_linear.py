@@ -1,5 +1,5 @@
-"""Several-row projections on packed weights (core/linear.py): the same numbers as the stock kernel (one row: the
-very same), the model's own modules untouched, the choice measured per shape, and speculation still lossless."""
+"""Projections on packed weights (core/linear.py): the same numbers as the stock kernel (one row without its MKL copy:
+the very same), the model's own modules untouched, each choice measured per shape, and speculation still lossless."""
 
 from __future__ import annotations
 
@@ -21,21 +21,36 @@ pytestmark = pytest.mark.skipif(not linear.supported(torch.float32), reason="no 
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_equals_stock_and_one_row_is_the_stock_kernel(bias):
+@pytest.mark.parametrize("one_row", [False, True])
+def test_packed_equals_stock_and_one_row_follows_its_choice(bias, one_row):
+    if one_row and not linear.one_row_supported(torch.float32):
+        pytest.skip("no MKL one-row packed GEMM here")
     gen = torch.Generator().manual_seed(0)
     weight = nn.Parameter(torch.randn(48, 40, generator=gen), requires_grad=False)
     b = torch.randn(48, generator=gen) if bias else None
-    packed = PackedLinear(weight, b)
-    with torch.no_grad():
-        for shape in [(0, 40), (1, 40), (1, 1, 40), (2, 40), (3, 40), (1, 8, 40), (4, 5, 40)]:
-            x = torch.randn(*shape, generator=gen)
-            want = nn.functional.linear(x, weight, b)
-            got = packed(x)
-            assert got.shape == want.shape
-            if x.numel() <= 40:
-                assert torch.equal(got, want)  # a decode step's row runs exactly what it ran before
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    packed = PackedLinear(weight, b, several=True, one_row=one_row)
+    calls = {"one_row": 0}
+    real = linear._one_row_linear
+
+    def counting(*args):
+        calls["one_row"] += 1
+        return real(*args)
+
+    linear._one_row_linear = counting
+    try:
+        with torch.no_grad():
+            for shape in [(0, 40), (1, 40), (40,), (1, 1, 40), (2, 40), (3, 40), (1, 8, 40), (4, 5, 40)]:
+                x = torch.randn(*shape, generator=gen)
+                want = nn.functional.linear(x, weight, b)
+                got = packed(x)
+                assert got.shape == want.shape
+                if x.numel() <= 40 and not one_row:
+                    assert torch.equal(got, want)  # one row without its copy: exactly the stock kernel
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        linear._one_row_linear = real
+    assert calls["one_row"] == (3 if one_row else 0)  # the three one-row shapes, and only those
 
 
 def test_packed_copy_follows_weight_updates_and_autograd_takes_the_stock_kernel():
@@ -54,7 +69,7 @@ def test_packed_copy_follows_weight_updates_and_autograd_takes_the_stock_kernel(
 def test_the_model_keeps_its_modules_and_the_copy_shares_every_parameter():
     model = tiny_target(seed=2).to(torch.float32)
     layer = model.model.layers[0]
-    copy = with_packed_linears(layer, lambda lin: lin.out_features > 32)
+    copy = with_packed_linears(layer, lambda lin: (lin.out_features > 32, False))
     assert copy is not layer and type(layer.mlp.up_proj) is nn.Linear  # the original is untouched
     assert isinstance(copy.mlp.up_proj, PackedLinear) and copy.mlp.up_proj.weight is layer.mlp.up_proj.weight
     assert copy.input_layernorm is layer.input_layernorm  # nothing to pack below it: shared, not copied
@@ -66,9 +81,18 @@ def test_the_choice_is_measured_per_shape(monkeypatch):
     model = tiny_target(seed=2).to(torch.float32)
     monkeypatch.setattr(stack, "LINEAR_KERNEL", "auto")
     monkeypatch.setattr(stack, "packed_is_faster", lambda out_f, in_f, dtype, threads: out_f == 96)  # the LM head only
+    monkeypatch.setattr(stack, "one_row_is_faster", lambda out_f, in_f, dtype, threads: out_f == 64)  # the MLP's up
     verifier = TargetVerifier(model)
-    assert verifier.stack.packed_linears == 1 and isinstance(verifier.stack.parts.head, PackedLinear)
+    head, up = verifier.stack.parts.head, verifier.stack.layers[0].mlp.up_proj
+    assert isinstance(head, PackedLinear) and head.several and not head.one_row
+    assert isinstance(up, PackedLinear) and up.one_row and not up.several
+    n_layers = len(verifier.stack.layers)
+    assert verifier.stack.packed_linears == 1 + 2 * n_layers and verifier.stack.one_row_linears == 2 * n_layers
+    monkeypatch.setattr(stack, "LINEAR_KERNEL", "several")  # one row stays stock
+    assert TargetVerifier(model).stack.one_row_linears == 0
+    monkeypatch.setattr(stack, "LINEAR_KERNEL", "auto")
     monkeypatch.setattr(stack, "packed_is_faster", lambda *a: False)
+    monkeypatch.setattr(stack, "one_row_is_faster", lambda *a: False)
     assert TargetVerifier(model).stack.packed_linears == 0
     monkeypatch.setattr(stack, "LINEAR_KERNEL", "packed")
     assert TargetVerifier(tiny_target(seed=2)).stack.packed_linears == 0  # float64: oneDNN has no kernel, never packed
@@ -96,6 +120,33 @@ def test_the_measurement_follows_the_faster_kernel(monkeypatch):
     assert measure(64, 32, torch.float32, 1, 2) is True
 
 
+@pytest.mark.skipif(not linear.one_row_supported(torch.float32), reason="no MKL one-row packed GEMM here")
+def test_the_one_row_measurement_follows_the_faster_kernel_and_the_memory_cap(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    measure = linear.one_row_is_faster.__wrapped__
+    real_one, real_stock = linear._one_row_linear, linear.F.linear
+
+    def slow_one(*args):
+        time.sleep(0.001)
+        return real_one(*args)
+
+    def slow_stock(x, w, b=None):
+        time.sleep(0.001)
+        return real_stock(x, w, b)
+
+    monkeypatch.setattr(linear, "ONE_ROW_MAX_COPY", float("inf"))  # MKL's copy of a small weight is ~5 MB
+    monkeypatch.setattr(linear, "_one_row_linear", slow_one)
+    assert measure(64, 32, torch.float32, 1, 2) is False
+    monkeypatch.setattr(linear, "_one_row_linear", real_one)
+    monkeypatch.setattr(linear, "F", SimpleNamespace(linear=slow_stock))
+    assert measure(64, 32, torch.float32, 1, 2) is True
+    monkeypatch.setattr(linear, "ONE_ROW_MAX_COPY", 2.5)  # the cap as shipped: a small weight's copy is far over it
+    assert measure(64, 32, torch.float32, 1, 2) is False
+    assert measure(64, 32, torch.float64, 1, 2) is False  # fp32 only
+
+
 def test_greedy_speculation_with_packed_projections_equals_target_greedy(monkeypatch):
     """fp32 target and draft with every projection packed (trees and chains verify several rows; drafting batches
     rows): output equals the slow reference and the stock-kernel engine token for token."""
@@ -107,6 +158,7 @@ def test_greedy_speculation_with_packed_projections_equals_target_greedy(monkeyp
         verifier, drafter = TargetVerifier(model), SortedDrafter(noisy_draft(model))
         assert (verifier.stack.packed_linears > 0) is (kernel == "packed")
         assert (drafter.stack.packed_linears > 0) is (kernel == "packed")
+        assert (verifier.stack.one_row_linears > 0) is (kernel == "packed" and linear.one_row_supported(torch.float32))
         outs[kernel] = [r.token_ids for r in run(SpecEngine(verifier, drafter, FixedK(4)), prompts, 24, batch=True)]
     assert outs["packed"] == outs["stock"]
     assert outs["packed"] == [reference_greedy(model, p, 24) for p in prompts]
