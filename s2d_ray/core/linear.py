@@ -84,6 +84,14 @@ def _one_row_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
     return torch.ops.mkl._mkl_linear(x, packed, weight.detach(), bias, 1)
 
 
+def _timing_weights(out_features: int, in_features: int, dtype: torch.dtype, pack) -> tuple[list, list]:
+    """Random weights of one shape, ~32 MB of them (so a timed loop does not run from cache), and their packed
+    copies."""
+    count = max(1, min(24, (32 << 20) // (out_features * in_features * torch.finfo(dtype).bits // 8)))
+    weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
+    return weights, [pack(w) for w in weights]
+
+
 @functools.lru_cache(maxsize=None)
 def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, threads: int,
                       repeats: int = 5) -> bool:
@@ -93,9 +101,7 @@ def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, t
     if not one_row_supported(dtype):
         return False
     try:
-        count = max(1, min(24, (32 << 20) // (out_features * in_features * torch.finfo(dtype).bits // 8)))
-        weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
-        packed = [_pack_one_row(w) for w in weights]
+        weights, packed = _timing_weights(out_features, in_features, dtype, _pack_one_row)
         if packed[0].numel() > ONE_ROW_MAX_COPY * weights[0].numel():
             return False
         x = torch.randn(1, in_features).to(dtype)
@@ -123,9 +129,7 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
     if not supported(dtype):
         return False
     try:
-        count = max(1, min(24, (32 << 20) // (out_features * in_features * torch.finfo(dtype).bits // 8)))
-        weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
-        packed = [_pack(w) for w in weights]
+        weights, packed = _timing_weights(out_features, in_features, dtype, _pack)
         inputs = {m: torch.randn(m, in_features).to(dtype) for m in TIMED_ROWS}
         best = {False: dict.fromkeys(TIMED_ROWS, float("inf")), True: dict.fromkeys(TIMED_ROWS, float("inf"))}
         if out_features * in_features > (4 << 20):

@@ -22,35 +22,27 @@ pytestmark = pytest.mark.skipif(not linear.supported(torch.float32), reason="no 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("one_row", [False, True])
-def test_packed_equals_stock_and_one_row_follows_its_choice(bias, one_row):
+def test_packed_equals_stock_and_one_row_follows_its_choice(bias, one_row, monkeypatch):
     if one_row and not linear.one_row_supported(torch.float32):
         pytest.skip("no MKL one-row packed GEMM here")
     gen = torch.Generator().manual_seed(0)
     weight = nn.Parameter(torch.randn(48, 40, generator=gen), requires_grad=False)
     b = torch.randn(48, generator=gen) if bias else None
     packed = PackedLinear(weight, b, several=True, one_row=one_row)
-    calls = {"one_row": 0}
+    one_row_calls = []
     real = linear._one_row_linear
-
-    def counting(*args):
-        calls["one_row"] += 1
-        return real(*args)
-
-    linear._one_row_linear = counting
-    try:
-        with torch.no_grad():
-            for shape in [(0, 40), (1, 40), (40,), (1, 1, 40), (2, 40), (3, 40), (1, 8, 40), (4, 5, 40)]:
-                x = torch.randn(*shape, generator=gen)
-                want = nn.functional.linear(x, weight, b)
-                got = packed(x)
-                assert got.shape == want.shape
-                if x.numel() <= 40 and not one_row:
-                    assert torch.equal(got, want)  # one row without its copy: exactly the stock kernel
-                else:
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    finally:
-        linear._one_row_linear = real
-    assert calls["one_row"] == (3 if one_row else 0)  # the three one-row shapes, and only those
+    monkeypatch.setattr(linear, "_one_row_linear", lambda *args: one_row_calls.append(1) or real(*args))
+    with torch.no_grad():
+        for shape in [(0, 40), (1, 40), (40,), (1, 1, 40), (2, 40), (3, 40), (1, 8, 40), (4, 5, 40)]:
+            x = torch.randn(*shape, generator=gen)
+            want = nn.functional.linear(x, weight, b)
+            got = packed(x)
+            assert got.shape == want.shape
+            if x.numel() <= 40 and not one_row:
+                assert torch.equal(got, want)  # one row without its copy: exactly the stock kernel
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(one_row_calls) == (3 if one_row else 0)  # the three one-row shapes, and only those
 
 
 def test_packed_copy_follows_weight_updates_and_autograd_takes_the_stock_kernel():
