@@ -101,9 +101,10 @@ def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, t
     if not one_row_supported(dtype):
         return False
     try:
-        weights, packed = _timing_weights(out_features, in_features, dtype, _pack_one_row)
-        if packed[0].numel() > ONE_ROW_MAX_COPY * weights[0].numel():
+        probe = torch.randn(out_features, in_features).to(dtype)  # the cap first: no timing set for a shape over it
+        if _pack_one_row(probe).numel() > ONE_ROW_MAX_COPY * probe.numel():
             return False
+        weights, packed = _timing_weights(out_features, in_features, dtype, _pack_one_row)
         x = torch.randn(1, in_features).to(dtype)
         best = {False: float("inf"), True: float("inf")}
         with torch.no_grad():
@@ -175,10 +176,6 @@ class PackedLinear(nn.Module):
             self._copies[kind] = held
         return held[1]
 
-    def packed(self) -> torch.Tensor:
-        """The several-row (oneDNN) copy."""
-        return self._copy("several")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         stock = (rows == 0 or not (self.one_row if rows == 1 else self.several) or x.device.type != "cpu"
@@ -188,7 +185,7 @@ class PackedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         if rows == 1:
             return _one_row_linear(x, self._copy("one_row"), self.weight, bias)
-        return _packed_linear(x, self.packed(), bias)
+        return _packed_linear(x, self._copy("several"), bias)
 
     def extra_repr(self) -> str:
         kinds = [k for k in ("several", "one_row") if getattr(self, k)]
