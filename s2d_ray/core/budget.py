@@ -206,7 +206,11 @@ class SpeculationBudget:
                 kind[2] += 1
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
-        if depth > 0 and verify is not None:  # a prompt round's draft time is mostly the draft filling the prompt
+        # A draft depth's cost is learned from warm drafting rounds only: a prompt round's draft time is mostly the
+        # draft filling the prompt, and a catch-up round's (`batch` None: the first draft after plain rounds) mostly
+        # the draft catching up on every token since. Counting catch-ups put one depth at 27-36 ms where it costs
+        # 6-9 (fp32 here), and the budget then never drafted again to correct it (session 22).
+        if depth > 0 and verify is not None and batch:
             self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
         if verify is not None and self.costs is not None:
             v_s, batch, positions = verify

@@ -42,6 +42,13 @@ class SequenceAffinityRouter(RequestRouter):
     loaded replica (Serve probes queue lengths within each rank and skips full replicas), ties broken at random
     (Serve takes the first of equals: idle replicas would always get keyless calls in the same order)."""
 
+    # A busy replica answers Serve's queue-length probe late on a loaded host (two cores, a draft forward in every
+    # replica): with Serve's 0.1 s deadline the home replica counted as unavailable and the next in the ranking took
+    # the call, rebuilding the sequence there (6 such misses in the one failing tests/serve run of session 22). Waiting
+    # up to a second for the home replica is cheaper than recomputing a prefix; a dead replica fails its probe at once.
+    queue_len_response_deadline_s = 1.0
+    max_queue_len_response_deadline_s = 2.0
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is not None:

@@ -340,7 +340,7 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
     budget.rounds = 5  # not an exploration round
     assert budget.plan(1, 0).depth > 0
     for _ in range(40):
-        budget.observe_round(0.0065, 1, 0.004, 1, verify=(0.005, 1, 1))
+        budget.observe_round(0.0065, 1, 0.004, 1, verify=(0.005, 1, 1), batch=1)
     assert budget.scale == pytest.approx(0.5, rel=1e-3) and budget.depth_seconds(1) == pytest.approx(0.004)
     budget.rounds = 5
     assert budget.plan(1, 0).depth == 0
@@ -348,9 +348,30 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
     assert budget.plan(1, 0).depth > 0  # exploration keeps acceptance measured
     for _ in range(40):
         budget.observe_round(0.5, 1, 9.0, 1, verify=None)  # a prompt round: neither scale nor draft cost move
-        budget.observe_round(0.024, 1, 0.004, 1, verify=(0.020, 1, 1))
+        budget.observe_round(0.024, 1, 0.004, 1, verify=(0.020, 1, 1), batch=1)
     budget.rounds = 5
     assert budget.scale == pytest.approx(2.0, rel=1e-3) and budget.plan(1, 0).depth > 0
+
+
+def test_budget_learns_a_draft_depth_from_warm_rounds_not_catch_ups():
+    """The first drafting round after plain rounds also catches the draft up on every token since (`batch` None):
+    its draft time is not a depth's cost. Learning from it priced a depth at 4x its cost and drafting never resumed
+    (session 22); warm drafting rounds teach it."""
+    costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}}, [1.0, 2.0, 4.0])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget.rounds = 5
+    for _ in range(10):  # catch-ups: 20 ms of draft time each, one depth
+        budget.observe_round(0.03, 2, 0.020, 1, verify=(0.010, 1, 2), batch=None)
+    assert budget.depth_seconds(1) == pytest.approx(0.004)  # still the calibrated depth
+    budget.rounds = 5
+    assert budget.plan(1, 0).depth > 0  # 1.5 x 10 > 10.5 + 4: drafting pays
+    for _ in range(40):  # warm drafting rounds at 2 ms a depth
+        budget.observe_round(0.013, 2, 0.002, 1, verify=(0.010, 1, 2), batch=1)
+    assert budget.depth_seconds(1) == pytest.approx(0.002, rel=1e-3)
+    wrong = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    wrong._depth_s = 0.020  # what counting the catch-ups learned: a depth dearer than the whole gain
+    wrong.rounds = 5
+    assert wrong.plan(1, 0).depth == 0
 
 
 def test_budget_verifies_nodes_it_prices_out_now_and_then_so_estimates_can_recover():
