@@ -138,7 +138,10 @@ class SpeculationBudget:
       takes several steps per target call and pays one call overhead for them.
     Whole decode rounds are timed by kind (drafted / lookup-only tree / plain, and `nodraft` for the last two) per
     batch-size bucket and shown in the router's stats; a drafting round counts only when its drafting rows drafted
-    the round before (the engine says so): the first one after a pause also catches the draft up on every token since.
+    the round before or are new to the draft (the engine says so): the first one after a pause also catches the draft
+    up on every token since, but filling a joining sequence's prompt is what drafting costs while sequences come and
+    go (timing warm rounds alone, served 8 rows drafted 26 rounds at 33 ms a token and caught up in 17 more, where
+    rounds without the draft took 26-27: session 23).
     """
 
     EXPLORE_EVERY = 16  # a drafting (when modelled not to pay) or lookup-vs-plain exploration round this often
@@ -186,14 +189,16 @@ class SpeculationBudget:
 
     def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
                       verify: tuple[float, int, int] | None = None, batch: int | None = None,
-                      nodes: int = 0, prompt: bool = False) -> None:
+                      nodes: int = 0, prompt: bool = False, warm: bool = True) -> None:
         """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
         `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
-        `batch` = its rows when the round is fit to time a kind of round by (no row filled a prompt, every drafting
-        row also drafted the round before: the first draft after a pause catches up on every token since), else
-        None; `nodes`: the most tree nodes a row verified; `prompt`: a row filled its prompt."""
+        `batch` = its rows when the round is fit to time a kind of round by (no row filled a prompt, and every
+        drafting row drafted the round before or is new to the draft: the first draft after a pause catches up on
+        every token since, but filling a joining sequence's prompt is what drafting costs as sequences come and go),
+        else None; `nodes`: the most tree nodes a row verified; `prompt`: a row filled its prompt; `warm`: every
+        drafting row drafted the round before (the draft's time is its depths only)."""
         self.rounds += 1
-        kind = "prompt" if prompt else ("draft" if batch else "catch-up") if depth > 0 else \
+        kind = "prompt" if prompt else ("draft" if batch and warm else "catch-up") if depth > 0 else \
             ("tree" if nodes > 0 else "plain")
         spent = self.spent.setdefault(kind, [0, 0.0, 0, 0.0])
         spent[0], spent[1], spent[2], spent[3] = spent[0] + 1, spent[1] + seconds, spent[2] + tokens, \
@@ -207,10 +212,10 @@ class SpeculationBudget:
         self._round_s = self._ema(self._round_s, seconds)
         self._round_tokens = self._ema(self._round_tokens, float(tokens))
         # A draft depth's cost is learned from warm drafting rounds only: a prompt round's draft time is mostly the
-        # draft filling the prompt, and a catch-up round's (`batch` None: the first draft after plain rounds) mostly
-        # the draft catching up on every token since. Counting catch-ups put one depth at 27-36 ms where it costs
-        # 6-9 (fp32 here), and the budget then never drafted again to correct it (session 22).
-        if depth > 0 and verify is not None and batch:
+        # draft filling the prompt, and a catch-up round's (the first draft after plain rounds, or a joining
+        # sequence's) mostly the draft catching up on every token since. Counting catch-ups put one depth at 27-36 ms
+        # where it costs 6-9 (fp32 here), and the budget then never drafted again to correct it (session 22).
+        if depth > 0 and verify is not None and batch and warm:
             self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
         if verify is not None and self.costs is not None:
             v_s, batch, positions = verify

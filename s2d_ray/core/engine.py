@@ -29,6 +29,8 @@ from .target import Verifier
 from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
 
+NEVER_DRAFTED = -2  # a sequence's `drafted_at` before its first drafting round
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -77,7 +79,7 @@ class _Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
-    drafted_at: int = -2  # the budget's round this sequence last drafted in
+    drafted_at: int = NEVER_DRAFTED  # the budget's round this sequence last drafted in
 
     @property
     def tokens(self) -> list[int]:
@@ -349,14 +351,20 @@ class SpecEngine:
             trees = [_as_tree(p) for p in proposals]  # drafted nodes have q > 0 (lookup-only nodes score 0)
             depths = [max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees]
             drafted = [seq for seq, d in zip(live, depths) if d > 0]
-            # warm: every drafting row also drafted last round (else the draft caught up on a prompt or a pause)
+            # warm: every drafting row also drafted last round (else the draft caught up on a prompt or a pause).
+            # joined: the rows that did not are new to the draft, beside rows that are warm: the draft fills each
+            # joining sequence's prompt once, a cost drafting pays for every sequence that joins, so the round is
+            # timed with drafting rounds (not for a depth's cost). A round that resumes drafting after a pause is not.
             rounds = self.budget.rounds
-            warm = all(seq.drafted_at == rounds - 1 for seq in drafted)
+            last = [seq.drafted_at == rounds - 1 for seq in drafted]
+            warm = all(last)
+            joined = any(last) and all(w or seq.drafted_at == NEVER_DRAFTED for w, seq in zip(last, drafted))
             for seq in drafted:
                 seq.drafted_at = rounds
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
-                                      max(depths, default=0), verify, batch=len(live) if decode and warm else None,
-                                      nodes=nodes, prompt=not decode)
+                                      max(depths, default=0), verify,
+                                      batch=len(live) if decode and (warm or joined) else None, nodes=nodes,
+                                      prompt=not decode, warm=warm)
         return outputs
 
     @staticmethod

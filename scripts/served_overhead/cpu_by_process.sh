@@ -2,16 +2,16 @@
 # Where the CPU goes in a served c1 S2D load: serve a YAML, run 24 streaming requests (c1client.py), print CPU seconds
 # per process over the load. usage (under quiet.sh): cpu_by_process.sh YAML OUT
 set -u
-YAML=$1; OUT=$2; mkdir -p $OUT; cd /work/main
+YAML=$1; OUT=$2; mkdir -p $OUT; cd ${S2D_CHECKOUT:-/work/main}
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1
-timeout 900 .venv/bin/serve run $YAML > $OUT/serve.log 2>&1 &
+timeout 900 /work/main/.venv/bin/serve run $YAML > $OUT/serve.log 2>&1 &
 pid=$!
 for i in $(seq 1 150); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && break; sleep 2; done
 sleep 5
-.venv/bin/python scripts/served_overhead/c1client.py s2d 2 > /dev/null
+/work/main/.venv/bin/python scripts/served_overhead/c1client.py s2d 2 > /dev/null
 snap() { for p in /proc/[0-9]*; do s=$(cat $p/stat 2>/dev/null) || continue; c=$(tr '\0' ' ' < $p/cmdline 2>/dev/null | cut -c1-70); echo "${p#/proc/} $(echo "$s" | awk '{print $14+$15}') $c"; done; }
 snap > $OUT/before.txt
-.venv/bin/python scripts/served_overhead/c1client.py s2d 24 > $OUT/client.json
+/work/main/.venv/bin/python scripts/served_overhead/c1client.py s2d 24 > $OUT/client.json
 snap > $OUT/after.txt
 cat $OUT/client.json
 python3 - $OUT <<'PY'

@@ -55,5 +55,6 @@ for c in map(int, sys.argv[3:]):
                       "decode_ms_by_rows": {k: round(1e3 * sum(r[0] for r in dec if r[1] == k) /
                                                      max(1, sum(1 for r in dec if r[1] == k)), 1)
                                             for k in sorted({r[1] for r in dec})},
+                      "prompt_detail": [(round(r[0], 3), r[1], r[2]) for r in pr],  # (s, rows, new prompt tokens)
                       "rounds_by_rows": {k: sum(1 for r in rounds if r[1] == k) for k in sorted({r[1] for r in rounds})}}),
           flush=True)

@@ -506,6 +506,33 @@ def drafting_rounds(budget: SpeculationBudget, batch: int, rounds: range, prompt
     return out
 
 
+def test_budget_times_joining_sequences_catch_ups_with_drafting_rounds_from_five_rows():
+    """Served at 8 rows, sequences come and go: a drafting round in which a new sequence's prompt is filled into the
+    draft (beside warm rows) is what drafting costs as sequences join, so it is timed with drafting rounds (not for the
+    cost of a depth). Warm drafting rounds alone (5 ms a token) look faster than rounds without the draft (7 ms);
+    with the joining rounds' catch-ups counted (50 ms a token, one round in three) they are not, and the veto acts.
+    Counting only warm rounds, session 23's served runs drafted in 26 rounds at 33 ms a token and caught up in 17
+    more, where rounds without the draft took 26-27."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid), 8: dict(grid)}, [0.5, 0.5, 0.5])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.056, 8, 0.0, 0, batch=8)  # rounds without the draft: 7 ms a token
+    for _ in range(4):
+        budget.observe_round(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8)  # warm: 5 ms a token
+        budget.observe_round(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8)
+        budget.observe_round(0.400, 8, 0.3, 1, verify=(0.03, 8, 2), batch=8, warm=False)  # a sequence joined
+    assert budget.measured_better(8, "draft", "nodraft") is False
+    assert budget.depth_seconds(8) == pytest.approx(0.0005)  # the joining catch-ups are not a depth's cost
+    assert budget.spent["catch-up"][0] == 4 and budget.spent["draft"][0] == 8
+    assert drafting_rounds(budget, 8, range(17, 32)) == []  # vetoed
+    warm_only = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        warm_only.observe_round(0.056, 8, 0.0, 0, batch=8)
+        warm_only.observe_round(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8)
+    assert warm_only.measured_better(8, "draft", "nodraft") is True  # what timing warm rounds alone would say
+
+
 def test_budget_rechecks_a_vetoed_draft_in_timed_pairs_ever_less_often():
     """From 5 rows, while measured rounds veto the draft, a re-check drafts two rounds in a row (the first catches the
     draft up and is not timed; the second is), the gap doubling from 16 rounds up to 256; below 5 rows the draft is
@@ -561,3 +588,27 @@ def test_engine_times_a_drafting_round_only_when_its_rows_drafted_the_round_befo
     run(engine, random_prompts(1, seed=3), 8, batch=True)
     drafting = [batch for depth, batch in seen if depth > 0]
     assert drafting[0] is None and drafting[1:] and all(b == 1 for b in drafting[1:])
+
+
+def test_engine_times_a_round_where_a_sequence_joins_the_draft_but_not_as_warm(target):
+    """A second sequence joins while the first drafts: its first drafting round fills its prompt into the draft. The
+    round is timed (`batch` 2) but not warm (not a depth's cost); a round where every drafting row is new (the first
+    one) or resumes after a pause is not timed at all."""
+    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.1, 0.1, 0.1])
+    engine = tree_engine(target, 2, False, costs)
+    engine.budget.plan = lambda batch, depth, prompts=0: RoundPlan(2, 0.0)  # always draft
+    seen = []
+    observe = engine.budget.observe_round
+    engine.budget.observe_round = lambda *a, **k: (seen.append((a[3] > 0, k.get("batch"), k.get("warm"),
+                                                                k.get("prompt"))), observe(*a, **k))[1]
+    first, second = random_prompts(2, seed=4)
+    engine.add_request(GenerationRequest("a", first, 30))
+    for _ in range(4):
+        engine.step()
+    engine.add_request(GenerationRequest("b", second, 30))
+    for _ in range(3):
+        engine.step()
+    drafting = [(batch, warm) for drafted, batch, warm, prompt in seen if drafted and not prompt]
+    # a's prompt round, a's first draft (untimed), warm rounds of a; b's prompt round; b joins; warm rounds of both
+    assert drafting[0] == (None, False) and set(drafting[1:3]) == {(1, True)}
+    assert drafting[3:] == [(2, False), (2, True)], seen
