@@ -13,7 +13,7 @@ for y in "$@"; do
   for i in $(seq 1 150); do curl -sf http://127.0.0.1:8000/v1/models >/dev/null && break; sleep 2; done
   sleep 5
   timeout 1200 /work/main/.venv/bin/s2d bench serve --url http://127.0.0.1:8000 --model smollm2-135m-instruct \
-    --concurrency ${LEVELS:-1,8} --requests 24 --max-seconds 60 --max-tokens 64 --compare-plain ${CHECK:-} \
+    --concurrency ${LEVELS:-1,8} --requests 24 --max-seconds ${MAXS:-60} --max-tokens 64 --compare-plain ${CHECK:-} \
     --out $OUT/$tag > $OUT/bench-$tag.log 2>&1
   curl -s http://127.0.0.1:8000/health > $OUT/health-$tag.json
   echo "$tag done $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $OUT/times.txt
