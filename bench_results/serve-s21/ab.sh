@@ -9,6 +9,6 @@ n=0
 for v in ${ORDER:-base new}; do
   n=$((n+1)); d=/work/main; [[ $v == base ]] && d=/work/base
   echo "$n $v $(date -u +%T)" >> $OUT/runs.txt
-  S2D_CHECKOUT=$d LEVELS=1,8 bash /work/main/bench_results/serve-s8/ab/ab8.sh $OUT/$n-$v $d/deployments/local.yaml
+  S2D_CHECKOUT=$d LEVELS=${LEVELS:-1,8} bash /work/main/bench_results/serve-s8/ab/ab8.sh $OUT/$n-$v $d/deployments/local.yaml
 done
 echo all done $(date -u +%T) >> $OUT/runs.txt
