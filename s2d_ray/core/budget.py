@@ -112,6 +112,7 @@ class RoundPlan:
 
     depth: int
     min_score: float = 0.0
+    hold: frozenset[int] = frozenset()  # rows (indices into the plan's `rows`) that do not draft this round
 
 
 class SpeculationBudget:
@@ -141,7 +142,13 @@ class SpeculationBudget:
     the round before or are new to the draft (the engine says so): the first one after a pause also catches the draft
     up on every token since, but filling a joining sequence's prompt is what drafting costs while sequences come and
     go (timing warm rounds alone, served 8 rows drafted 26 rounds at 33 ms a token and caught up in 17 more, where
-    rounds without the draft took 26-27: session 23).
+    rounds without the draft took 26-27: session 23);
+    - a row the draft has not seen lately (new, or back after rounds without the draft) drafts only if its catch-up
+      pays: the tokens the draft must fill first x the draft's measured seconds per filled token, against what the
+      row's remaining tokens gain from drafting (the first depth's modelled saving, shared by the batch's rows); an
+      exploration round may spend at most a row's share of one plain step on it. Served, the draft's catch-ups were
+      the whole of S2D's loss at 8 rows (5-9 s a level, mostly rows of 300 tokens caught up with 10-30 left as the
+      level drained to 1-4 rows; session 23).
     """
 
     EXPLORE_EVERY = 16  # a drafting (when modelled not to pay) or lookup-vs-plain exploration round this often
@@ -177,6 +184,7 @@ class SpeculationBudget:
         self._explore_second: int | None = None  # the bucket whose exploration's timed second round is next
         self._explore_due: int | None = None  # the bucket whose exploration waits for a round without a prompt
         self._idle_nodes: dict[int, tuple[int, int]] = {}  # batch bucket -> (rounds offered nodes and kept none, gap)
+        self._fill_s: float | None = None  # EMA: draft seconds per token a catch-up filled
 
     @property
     def load_aware(self) -> bool:
@@ -189,14 +197,15 @@ class SpeculationBudget:
 
     def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
                       verify: tuple[float, int, int] | None = None, batch: int | None = None,
-                      nodes: int = 0, prompt: bool = False, warm: bool = True) -> None:
+                      nodes: int = 0, prompt: bool = False, warm: bool = True, filled: int = 0) -> None:
         """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
         `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
         `batch` = its rows when the round is fit to time a kind of round by (no row filled a prompt, and every
         drafting row drafted the round before or is new to the draft: the first draft after a pause catches up on
         every token since, but filling a joining sequence's prompt is what drafting costs as sequences come and go),
         else None; `nodes`: the most tree nodes a row verified; `prompt`: a row filled its prompt; `warm`: every
-        drafting row drafted the round before (the draft's time is its depths only)."""
+        drafting row drafted the round before (the draft's time is its depths only); `filled`: tokens the draft caught
+        up on for rows that did not (their draft time beyond the depths is what a filled token costs)."""
         self.rounds += 1
         kind = "prompt" if prompt else ("draft" if batch and warm else "catch-up") if depth > 0 else \
             ("tree" if nodes > 0 else "plain")
@@ -217,6 +226,11 @@ class SpeculationBudget:
         # where it costs 6-9 (fp32 here), and the budget then never drafted again to correct it (session 22).
         if depth > 0 and verify is not None and batch and warm:
             self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
+        if depth > 0 and not prompt and filled >= self.FILL_SAMPLE_TOKENS and self.costs is not None:
+            prior = self._fill_prior()
+            rows = verify[1] if verify is not None else batch or 1
+            per_token = max(draft_seconds - depth * self.depth_seconds(rows), 0.0) / filled
+            self._fill_s = self._ema(self._fill_s, min(max(per_token, 0.1 * prior), 10.0 * prior))
         if verify is not None and self.costs is not None:
             v_s, batch, positions = verify
             self.scale = self._ema(self.scale, min(max(1000.0 * v_s / self.costs.verify(batch, positions), 0.25), 8.0))
@@ -248,9 +262,27 @@ class SpeculationBudget:
             return self._depth_s
         return self.costs.draft(batch) / 1000.0
 
+    def fill_seconds(self) -> float:
+        """Draft seconds per token a catch-up fills (measured; before any, `_fill_prior`)."""
+        return self._fill_s if self._fill_s is not None else self._fill_prior()
+
+    def _fill_prior(self) -> float:
+        """A filled token costs the draft what the target's widest calibrated forward costs a token, in the draft's
+        proportion of a step (prompt-like passes are compute-bound, so cost scales with layers as steps do)."""
+        grid = self.costs.verify_ms
+        b = max(grid)
+        n = max(grid[b])
+        share = self.costs.draft(1) / self.costs.verify(1, 1)
+        return self.scale * share * self.costs.verify(b, n) / (b * n) / 1000.0
+
     # --- decisions ----------------------------------------------------------------------------------------------
-    def plan(self, batch: int, default_depth: int, prompts: int = 0) -> RoundPlan:
-        """This round's draft depth and node threshold for `batch` rows, `prompts` of which fill their prompt."""
+    FILL_SAMPLE_TOKENS = 16  # a catch-up teaches the fill cost from this many filled tokens (fewer: mostly noise)
+
+    def plan(self, batch: int, default_depth: int, prompts: int = 0,
+             rows: list[tuple[int, int] | None] | None = None) -> RoundPlan:
+        """This round's draft depth and node threshold for `batch` rows, `prompts` of which fill their prompt; `rows`:
+        per row that may draft, (tokens the draft must catch up on first, tokens the row may still emit), None for a
+        row that may not (RoundPlan.hold: those whose catch-up does not pay)."""
         if self.costs is None:
             return RoundPlan(default_depth)
         if self.shape.width < 1 or self.max_depth < 1:
@@ -281,6 +313,7 @@ class SpeculationBudget:
                 # token where lookup-only rounds took 13-15 (BENCHMARKS.md §3, session 13). Time one (a decode round).
                 self._drafting = False
                 return RoundPlan(0)
+        chosen = draft
         if gated and draft:
             self._explore_gap.pop(bucket, None)
         elif gated and explore and prompts:  # untimed: a pair waits; its second round drafts (keeps rows warm) and waits
@@ -292,8 +325,41 @@ class SpeculationBudget:
             self._explore_gap[bucket] = self._backed_off(gap)
             self._explore_second = bucket
         draft = draft or explore
+        hold: frozenset[int] = frozenset()
+        if draft and rows:
+            hold = self._unpaid_catch_ups(rows, batch, self._token_gain_ms(batch, v1, v2, hit) if chosen else 0.0, v1)
+            draft = any(r is not None and i not in hold for i, r in enumerate(rows))
         self._drafting = draft
-        return RoundPlan(self.max_depth, self.acceptance.score_for(needed)) if draft else RoundPlan(0)
+        return RoundPlan(self.max_depth, self.acceptance.score_for(needed), hold) if draft else RoundPlan(0)
+
+    def _token_gain_ms(self, batch: int, v1: float, v2: float, hit: float) -> float:
+        """What drafting saves per token emitted at this batch size, ms: measured (plain rounds' ms a token less
+        drafting rounds') once both kinds are timed here, else the first depth's modelled saving per round over the
+        (1 + hit) tokens a row emits in one. Plain rounds, not all rounds without the draft: a row held out of the draft
+        still gets lookup-alone rounds where its match is long, so those are no part of what drafting changes; the
+        first depth alone undervalued drafting at one row (fp32 here: 69 against 87 ms a token measured, the model
+        ~0), holding out the long prompts' draft for good."""
+        mine, plain = self._kinds.get((_bucket(batch), "draft")), self._kinds.get((_bucket(batch), "plain"))
+        if mine is not None and plain is not None and min(mine[2], plain[2]) >= self.MEASURED_AFTER:
+            return max(1000.0 * (plain[0] / plain[1] - mine[0] / mine[1]), 0.0)
+        saved = (1 + hit) * v1 - v2 - 1000.0 * self.depth_seconds(batch)
+        return max(saved, 0.0) / (max(batch, 1) * (1 + hit))
+
+    def _unpaid_catch_ups(self, rows: list[tuple[int, int] | None], batch: int, gain_ms: float,
+                          v1: float) -> frozenset[int]:
+        """Rows whose catch-up costs more than drafting can gain them: `gain_ms` a remaining token (0 in an
+        exploration), or at least a row's share of one plain step (what a round may spend to keep acceptance
+        measured)."""
+        fill_ms = 1000.0 * self.fill_seconds()
+        allowance = v1 / max(batch, 1)
+        hold = set()
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            behind, remaining = row
+            if behind * fill_ms > max(gain_ms * remaining, allowance):
+                hold.add(i)
+        return frozenset(hold)
 
     def _backed_off(self, gap: int) -> int:
         """The next gap between explorations that keep not paying: doubled, at most EXPLORE_BACKOFF x EXPLORE_EVERY."""

@@ -80,6 +80,8 @@ class _Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
     drafted_at: int = NEVER_DRAFTED  # the budget's round this sequence last drafted in
+    draft_len: int = 0  # tokens the draft has seen of this sequence (as of its last drafting round)
+    planned_len: int = 0  # len(tokens) when this round was planned
 
     @property
     def tokens(self) -> list[int]:
@@ -143,15 +145,20 @@ class SpecEngine:
     def plan(self) -> tuple[list[_Sequence], list[DraftRequest]]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
         live = list(self.seqs.values())
+        for seq in live:
+            seq.planned_len = len(seq.tokens)
         plan = None
         if self.budget is not None and self.budget.load_aware and self.drafter is not None:
-            plan = self.budget.plan(len(live), 0, prompts=sum(not seq.generated for seq in live))
+            # Per row that may draft: what the draft must catch up on first, and what drafting can still gain it.
+            rows = [(len(seq.tokens) - seq.draft_len, self._remaining(seq))
+                    if seq.generated and seq.req.speculate and self._remaining(seq) > 0 else None for seq in live]
+            plan = self.budget.plan(len(live), 0, prompts=sum(not seq.generated for seq in live), rows=rows)
         width = self.budget.shape.width if self.trees else 1
         frontier = self.budget.shape.frontier if self.trees else 1
         min_score = plan.min_score if plan is not None else 0.0
         drafts = []
-        for seq in live:
-            k = seq.k if plan is None else plan.depth
+        for i, seq in enumerate(live):
+            k = seq.k if plan is None else 0 if i in plan.hold else plan.depth
             k = max(0, min(k, self._remaining(seq))) if self.drafter is not None and seq.req.speculate else 0
             if not seq.generated:
                 # The round that fills a prompt does not draft for it (lookup candidates only, no draft forward): its
@@ -359,12 +366,13 @@ class SpecEngine:
             last = [seq.drafted_at == rounds - 1 for seq in drafted]
             warm = all(last)
             joined = any(last) and all(w or seq.drafted_at == NEVER_DRAFTED for w, seq in zip(last, drafted))
+            filled = sum(seq.planned_len - seq.draft_len for seq, w in zip(drafted, last) if not w)
             for seq in drafted:
-                seq.drafted_at = rounds
+                seq.drafted_at, seq.draft_len = rounds, seq.planned_len
             self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
                                       max(depths, default=0), verify,
                                       batch=len(live) if decode and (warm or joined) else None, nodes=nodes,
-                                      prompt=not decode, warm=warm)
+                                      prompt=not decode, warm=warm, filled=filled)
         return outputs
 
     @staticmethod

@@ -294,6 +294,7 @@ class TargetScheduler:
         budget = self.engine.budget
         if budget is not None and budget.load_aware:  # what the draft/plain choice is measured on
             out["speculation"] = {"scale": budget.scale, "rounds": budget.rounds, "measured": budget.measured(),
+                                  "fill_ms_per_token": 1000.0 * budget.fill_seconds(),
                                   "spent": {kind: {"rounds": r, "seconds": s, "tokens": t, "draft_seconds": d}
                                             for kind, (r, s, t, d) in sorted(budget.spent.items())}}
         return out

@@ -56,5 +56,8 @@ for c in map(int, sys.argv[3:]):
                                                      max(1, sum(1 for r in dec if r[1] == k)), 1)
                                             for k in sorted({r[1] for r in dec})},
                       "prompt_detail": [(round(r[0], 3), r[1], r[2]) for r in pr],  # (s, rows, new prompt tokens)
-                      "rounds_by_rows": {k: sum(1 for r in rounds if r[1] == k) for k in sorted({r[1] for r in rounds})}}),
+                      "rounds_by_rows": {k: sum(1 for r in rounds if r[1] == k) for k in sorted({r[1] for r in rounds})},
+                      # the budget's rounds by kind since the start (the warm-up included): [rounds, s, tokens, draft s]
+                      "spent": {k: [round(x, 2) for x in v] for k, v in sorted(eng.budget.spent.items())}
+                      if eng.budget is not None else None}),
           flush=True)

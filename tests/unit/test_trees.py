@@ -581,7 +581,7 @@ def test_engine_times_a_drafting_round_only_when_its_rows_drafted_the_round_befo
     timed as a drafting round; the next one is."""
     costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.1, 0.1, 0.1])
     engine = tree_engine(target, 2, False, costs)
-    engine.budget.plan = lambda batch, depth, prompts=0: RoundPlan(2, 0.0)  # always draft
+    engine.budget.plan = lambda batch, depth, prompts=0, rows=None: RoundPlan(2, 0.0)  # always draft
     seen = []
     observe = engine.budget.observe_round
     engine.budget.observe_round = lambda *a, **k: (seen.append((a[3], k.get("batch"))), observe(*a, **k))[1]
@@ -596,7 +596,7 @@ def test_engine_times_a_round_where_a_sequence_joins_the_draft_but_not_as_warm(t
     one) or resumes after a pause is not timed at all."""
     costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.1, 0.1, 0.1])
     engine = tree_engine(target, 2, False, costs)
-    engine.budget.plan = lambda batch, depth, prompts=0: RoundPlan(2, 0.0)  # always draft
+    engine.budget.plan = lambda batch, depth, prompts=0, rows=None: RoundPlan(2, 0.0)  # always draft
     seen = []
     observe = engine.budget.observe_round
     engine.budget.observe_round = lambda *a, **k: (seen.append((a[3] > 0, k.get("batch"), k.get("warm"),
@@ -612,3 +612,104 @@ def test_engine_times_a_round_where_a_sequence_joins_the_draft_but_not_as_warm(t
     # a's prompt round, a's first draft (untimed), warm rounds of a; b's prompt round; b joins; warm rounds of both
     assert drafting[0] == (None, False) and set(drafting[1:3]) == {(1, True)}
     assert drafting[3:] == [(2, False), (2, True)], seen
+
+
+def test_budget_drafts_a_row_only_where_its_catch_up_pays():
+    """At 4 rows the model drafts (1.5 x 20 ms > 22 + 1). A row the draft must first catch up on 300 tokens (1 ms each)
+    with 10 tokens left gains ~12 ms from drafting: it is held out (lookup and plain for it); a warm row (3 tokens
+    behind) and a row with 2,000 tokens left draft. When every row that may draft is held, the round does not draft.
+    Served, such catch-ups were S2D's whole loss at 8 rows (session 23): the old rule (no rows) drafts them all."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid), 4: {1: 20.0, 2: 22.0, 4: 24.0, 8: 30.0}}, [1.0, 1.0, 1.0])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget._fill_s = 0.001
+    budget.rounds = 5  # not an exploration round
+    assert budget.plan(4, 0).depth > 0 and budget.plan(4, 0).hold == frozenset()
+    plan = budget.plan(4, 0, rows=[(300, 10), (3, 10), (300, 2000), None])
+    assert plan.depth > 0 and plan.hold == {0}
+    assert budget.plan(4, 0, rows=[(300, 10), None, (250, 5), None]).depth == 0
+    assert budget._drafting is False  # node_cap prices the round as one without the draft
+    budget._fill_s = 0.00001  # a cheap catch-up (a GPU's draft): the same rows draft
+    assert budget.plan(4, 0, rows=[(300, 10), None, (250, 5), None]) == RoundPlan(4, plan.min_score)
+
+
+def test_budget_explores_the_draft_only_with_cheap_catch_ups():
+    """Below 5 rows a draft modelled not to pay is still explored one round in 16 (acceptance changes), but such a
+    round may spend at most a row's share of one plain step (10 ms here) catching a row up: 10 tokens at 0.5 ms do,
+    100 do not."""
+    grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
+    costs = CostModel({1: dict(grid)}, [50.0, 50.0, 50.0])  # a dear draft: modelled not to pay
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget._fill_s = 0.0005
+    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    assert budget.plan(1, 0, rows=[(10, 1000)]).depth > 0
+    assert budget.plan(1, 0, rows=[(100, 1000)]).depth == 0
+    budget.rounds = 5
+    assert budget.plan(1, 0, rows=[(1, 1000)]).depth == 0  # not an exploration round: the model says no
+
+
+def test_budget_learns_the_draft_fill_cost_from_catch_ups():
+    """A catch-up's draft time beyond its depths, over the tokens it filled, is what a filled token costs (here 1 ms:
+    0.2 s for 200 tokens after one 4 ms depth); rounds that filled fewer than 16 tokens, and prompt rounds, teach
+    nothing. Before any, the prior scales the target's widest calibrated forward by the draft's share of a step."""
+    costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 16.0}}, [1.0, 2.0, 4.0])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    assert budget.fill_seconds() == pytest.approx(4.0 / 10.0 * 16.0 / 8 / 1000)
+    budget.observe_round(0.5, 2, 0.9, 1, verify=None, prompt=True, warm=False, filled=400)
+    budget.observe_round(0.05, 2, 0.03, 1, verify=(0.01, 1, 2), warm=False, filled=8)
+    assert budget._fill_s is None
+    budget.observe_round(0.25, 2, 0.204, 1, verify=(0.01, 1, 2), warm=False, filled=200)
+    assert budget.fill_seconds() == pytest.approx(0.001)
+
+
+def test_engine_reports_what_a_resumed_draft_caught_up_on_and_holds_rows_it_prices_out(target):
+    """The engine tells the budget each row's lag (tokens since the draft last saw it) and remaining tokens: after
+    three rounds without the draft, the resumed round filled exactly the tokens those rounds emitted. With a fill cost
+    no gain pays for, the draft never runs and the output is still the target's greedy output."""
+    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.1, 0.1, 0.1])
+    engine = tree_engine(target, 2, False, costs)
+    calls = []
+    engine.budget.plan = lambda batch, depth, prompts=0, rows=None: (
+        calls.append(rows), RoundPlan(0 if len(calls) in (3, 4, 5) else 2, 0.0))[1]
+    seen = []
+    observe = engine.budget.observe_round
+    engine.budget.observe_round = lambda *a, **k: (seen.append((a[1], a[3], k.get("filled"))), observe(*a, **k))[1]
+    prompt = random_prompts(1, seed=5)[0]
+    engine.generate([GenerationRequest("a", prompt, 30)])
+    assert calls[0] == [None] and calls[1] == [(len(prompt) + 1, 28)]  # the prompt round; the first draft's lag
+    emitted = [n for n, _, _ in seen]
+    assert seen[1][1] > 0 and seen[1][2] == len(prompt) + 1  # the first drafting round filled the prompt
+    assert [f for _, _, f in seen[2:5]] == [0, 0, 0]
+    assert seen[5][1] > 0 and seen[5][2] == sum(emitted[1:5]) and calls[5][0][0] == seen[5][2]
+    assert seen[6][2] == 0  # warm again
+
+    priced_out = tree_engine(target, 2, False, costs)
+    priced_out.budget._fill_s = 10.0  # seconds a token: nothing pays it
+    drafted = []
+    propose = priced_out.drafter.draft.propose
+    priced_out.drafter.draft.propose = lambda reqs: (drafted.append(len(reqs)), propose(reqs))[1]
+    prompts = random_prompts(3, seed=6)
+    out = run(priced_out, prompts, 20, batch=True)
+    assert drafted == []
+    for p, res in zip(prompts, out):
+        assert res.token_ids == reference_greedy(target, p, 20)
+
+
+def test_budget_values_a_catch_up_by_measured_plain_and_drafting_rounds_once_both_are_timed():
+    """The first depth's modelled saving undervalues drafting where deeper depths and lookup merges carry the gain
+    (fp32 here: drafting rounds 69 ms a token against plain rounds' 87 measured, the model ~0): a long prompt's
+    catch-up (300 tokens at 1 ms) is held out on the model's figure, and drafts once measured rounds say each of its 60
+    remaining tokens saves 18 ms. Lookup-alone rounds (fast only because their match was long) do not count."""
+    costs = CostModel({1: {1: 10.0, 2: 13.5, 4: 15.0, 8: 16.0}}, [0.5, 0.5, 0.5])
+    budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
+    budget._fill_s = 0.001
+    budget.rounds = 5
+    assert budget.plan(1, 0, rows=[(300, 60)]).depth == 0  # modelled: 1.5 x 10 - 13.5 - 0.5 = 1 ms a round
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.030, 1, 0.0, 0, nodes=4, batch=1)  # lookup-alone: 30 ms a token
+        budget.observe_round(0.348, 4, 0.0, 0, batch=1)  # plain, four steps a call: 87 ms a token
+    assert budget.plan(1, 0, rows=[(300, 60)]).depth == 0  # drafting not timed yet
+    for _ in range(SpeculationBudget.MEASURED_AFTER):
+        budget.observe_round(0.138, 2, 0.0005, 1, verify=(0.0135, 1, 2), batch=1)  # drafting: 69 ms a token
+    assert budget.plan(1, 0, rows=[(300, 60)]).depth > 0
+    assert budget.plan(1, 0, rows=[(300, 10)]).depth == 0  # 10 x 18 ms < 300 ms
