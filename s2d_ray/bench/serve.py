@@ -25,6 +25,9 @@ FALLBACK_PROMPTS = [
 ]
 
 
+PAIRED_MAX_SECONDS = 3600.0  # a plain run paired with a speculative one ends when its requests do (a safety cap)
+
+
 @dataclass
 class LoadRun:
     url: str
@@ -39,6 +42,9 @@ class LoadRun:
     api_key: str | None = None  # sent as `Authorization: Bearer <key>`; never written to results
     # Each level also runs with `speculate: false` (plain target decoding through the SAME app, processes and
     # batching), right after the speculative run: served S2D against served AR in one run, no second deployment.
+    # The plain run sends exactly the requests the speculative run sent (the same prompts, in order), however long
+    # that takes: where `max_seconds` ended a level, the faster variant had otherwise covered more prompts than the
+    # other, and the two rates were over different work (session 23: 14 against 12 of 24 prompts at c1).
     compare_plain: bool = False
     speculate: bool | None = None  # the body's `speculate` field; None: not sent (the server's default)
     # Ask for each response's generated ids (`return_token_ids`, an extension) and keep them, e.g. for the greedy
@@ -236,10 +242,15 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
     variants = [("speculative", True), ("plain", False)] if run.compare_plain else [(None, run.speculate)]
     async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
         for c in run.concurrency:
+            sent = None  # requests the level's speculative run sent: its plain run sends the same ones
             for label, speculate in variants:
+                level = replace(run, speculate=speculate)
+                if sent is not None:
+                    level = replace(level, requests=sent, max_seconds=PAIRED_MAX_SECONDS)
                 clocks = await server_timing(client, run)
                 t0 = time.perf_counter()
-                results = await run_level(client, replace(run, speculate=speculate), c, prompts)
+                results = await run_level(client, level, c, prompts)
+                sent = len(results) if label == "speculative" else sent
                 wall = time.perf_counter() - t0
                 server = timing_delta(clocks, await server_timing(client, run))
                 summary.append({**level_summary(c, results, wall), **({"variant": label} if label else {}),

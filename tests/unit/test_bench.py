@@ -330,6 +330,23 @@ def test_compare_plain_runs_each_level_both_ways_and_reports_the_ratio(sse_serve
     assert plot_load(result, tmp_path / "cmp.png").stat().st_size > 1000
 
 
+def test_compare_plain_sends_the_plain_run_the_same_requests_as_the_speculative_one(sse_server):
+    """Where `max_seconds` ends a level, the faster speculative run covers more prompts than the plain run would in the
+    same time (here about 4 requests of 50 ms against 2 of 100 ms in 0.18 s): the plain run sends exactly the same
+    requests, so both rates are over the same work (session 23 compared 14 prompts against 12)."""
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, run_load
+
+    run = LoadRun(sse_server, "m", [1], requests=100, max_seconds=0.18, max_tokens=10, timeout=5, compare_plain=True)
+    result = asyncio.run(run_load(run, ["a", "b", "c", "d", "e", "f"]))
+    spec, plain = result["summary"]
+    assert 1 <= spec["sent"] < 100 and plain["sent"] == spec["sent"] == plain["completed"]
+    assert plain["wall_seconds"] > 1.5 * spec["wall_seconds"] - 0.05  # it ran past the speculative run's deadline
+    order = lambda key: sorted(r["prompt_index"] for r in result["requests"][key])  # noqa: E731
+    assert order("1-plain") == order("1-speculative")
+
+
 def test_load_client_stops_by_itself_on_a_hanging_server(sse_server, tmp_path):
     import asyncio
 
