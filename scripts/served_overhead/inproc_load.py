@@ -1,7 +1,7 @@
 """In-process twin of `s2d bench serve` at concurrency c: the same 24 prompts, 64 tokens greedy, continuous batching
 the way the router does it (a request joins between rounds while fewer than c run). tok/s = completion tokens / wall;
 per round: seconds, rows, prompt rows. Tells whether served plain loses at c8 to Serve or to the workload itself.
-Usage: [WIDE=2] [STEPS=4] [TURN_MS=30] python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (WIDE: wide_threads; STEPS: the engine's plain_steps, greedy steps per call in rounds without drafts, as the router sets it; TURN_MS: a client's next request arrives this long after its last one finished, as an HTTP client's does (default 0); the Spec-Bench questions from QUESTIONS=path,
+Usage: [PROMPTS=24] [WIDE=2] [STEPS=4] [TURN_MS=30] python scripts/served_overhead/inproc_load.py <dtype> <mode> <c>... (WIDE: wide_threads; STEPS: the engine's plain_steps, greedy steps per call in rounds without drafts, as the router sets it; TURN_MS: a client's next request arrives this long after its last one finished, as an HTTP client's does (default 0); the Spec-Bench questions from QUESTIONS=path,
 else ../shared next to the checkout)"""
 import json, os, sys, time
 from pathlib import Path
@@ -11,7 +11,7 @@ from s2d_ray.bench.serve import mixed_prompts
 from s2d_ray.core.engine import GenerationRequest
 from s2d_ray.prompts import encode_prompt
 
-prompts = mixed_prompts(Path(os.environ['QUESTIONS']) if os.environ.get('QUESTIONS') else None)[:24]
+prompts = mixed_prompts(Path(os.environ['QUESTIONS']) if os.environ.get('QUESTIONS') else None)[:int(os.environ.get('PROMPTS', 24))]
 b = build_engine(EngineConfig.model_validate({"spec": {"mode": sys.argv[2]}, "num_threads": 1,
                                               "wide_threads": int(os.environ.get("WIDE", 0)) or None,
                                               "target": {"dtype": sys.argv[1]}}))
