@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where a served c1 S2D round spends its wall time, against the in-process twin: py-spy (wall clock, idle included)
 # on the router and target replicas while c1client.py streams N prompts, then on the twin over the same N prompts.
-# usage (alone, under quiet.sh): profile_c1.sh YAML OUT [N=12] [RATE=50]; summarise with stacks.py OUT/*.txt
+# usage (alone, under quiet.sh): profile_c1.sh YAML OUT [N=12] [RATE=50]; summarise with stacks.py OUT/*.txt (gzip them to keep: stacks.py reads .gz)
 set -u
 YAML=$1; OUT=$2; N=${3:-12}; RATE=${4:-50}; mkdir -p $OUT; cd ${S2D_CHECKOUT:-/work/main}
 PY=/work/main/.venv/bin/python; SPY=/work/main/.venv/bin/py-spy

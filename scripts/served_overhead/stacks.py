@@ -1,7 +1,8 @@
 """Summarise py-spy raw (collapsed) stacks: per thread, samples, then the functions holding the most wall time
 (inclusive, each counted once per stack) and the leaves (where the thread was when sampled).
-usage: python stacks.py FILE... [--top 25] [--threads 3]"""
+usage: python stacks.py FILE[.gz]... [--top 25] [--threads 3]"""
 import argparse
+import gzip
 import re
 from collections import Counter, defaultdict
 
@@ -24,7 +25,7 @@ for f in args.files:
     threads: dict[str, Counter] = defaultdict(Counter)
     leaves: dict[str, Counter] = defaultdict(Counter)
     totals: Counter = Counter()
-    for line in open(f):
+    for line in (gzip.open(f, "rt") if f.endswith(".gz") else open(f)):
         line = line.rstrip("\n")
         if not line:
             continue
