@@ -145,8 +145,9 @@ class SpeculationBudget:
     rounds without the draft took 26-27: session 23);
     - a row the draft has not seen lately (new, or back after rounds without the draft) drafts only if its catch-up
       pays: the tokens the draft must fill first x the draft's measured seconds per filled token, against what the
-      row's remaining tokens gain from drafting (the first depth's modelled saving, shared by the batch's rows); an
-      exploration round may spend at most a row's share of one plain step on it. Served, the draft's catch-ups were
+      row's remaining tokens gain from drafting (measured drafting rounds against plain ones at this batch size, else
+      the first depth's modelled saving); an exploration round, or any row, may spend up to a row's share of one plain
+      step on it. Served, the draft's catch-ups were
       the whole of S2D's loss at 8 rows (5-9 s a level, mostly rows of 300 tokens caught up with 10-30 left as the
       level drained to 1-4 rows; session 23).
     """
