@@ -147,7 +147,7 @@ class SpeculationBudget:
       pays: the tokens the draft must fill first x the draft's measured seconds per filled token, against what the
       row's remaining tokens gain from drafting (measured drafting rounds against plain ones at this batch size, else
       the first depth's modelled saving); an exploration round, or any row, may spend up to a row's share of one plain
-      step on it. Served, the draft's catch-ups were
+      step on it (from 2 rows: `CATCH_UP_FROM`). Served, the draft's catch-ups were
       the whole of S2D's loss at 8 rows (5-9 s a level, mostly rows of 300 tokens caught up with 10-30 left as the
       level drained to 1-4 rows; session 23).
     """
@@ -278,6 +278,12 @@ class SpeculationBudget:
 
     # --- decisions ----------------------------------------------------------------------------------------------
     FILL_SAMPLE_TOKENS = 16  # a catch-up teaches the fill cost from this many filled tokens (fewer: mostly noise)
+    # Catch-ups are priced from this many rows. At one row the only catch-up is a request's own prompt right after its
+    # prefill, held or drafted for the whole request on one comparison of one-row rounds, and that comparison misled
+    # served: the router timed its one-row drafting rounds at 86-118 ms a token against plain rounds' 72-81, so the
+    # rule held nearly every prompt out of the draft, and S2D / AR at one row measured 0.80-1.11 (four runs) against
+    # 1.03-1.13 drafting every prompt (lookup merged into the draft's trees is what pays there; session 24).
+    CATCH_UP_FROM = 2
 
     def plan(self, batch: int, default_depth: int, prompts: int = 0,
              rows: list[tuple[int, int] | None] | None = None) -> RoundPlan:
@@ -327,7 +333,7 @@ class SpeculationBudget:
             self._explore_second = bucket
         draft = draft or explore
         hold: frozenset[int] = frozenset()
-        if draft and rows:
+        if draft and rows and batch >= self.CATCH_UP_FROM:
             hold = self._unpaid_catch_ups(rows, batch, self._token_gain_ms(batch, v1, v2, hit) if chosen else 0.0, v1)
             draft = any(r is not None and i not in hold for i, r in enumerate(rows))
         self._drafting = draft
