@@ -147,9 +147,9 @@ class SpeculationBudget:
       pays: the tokens the draft must fill first x the draft's measured seconds per filled token, against what the
       row's remaining tokens gain from drafting (measured drafting rounds against plain ones at this batch size, else
       the first depth's modelled saving); an exploration round, or any row, may spend up to a row's share of one plain
-      step on it (from 2 rows: `CATCH_UP_FROM`). Served, the draft's catch-ups were
-      the whole of S2D's loss at 8 rows (5-9 s a level, mostly rows of 300 tokens caught up with 10-30 left as the
-      level drained to 1-4 rows; session 23).
+      step on it (from 2 rows: `CATCH_UP_FROM`). Served, the draft's catch-ups were the whole of S2D's loss at 8 rows
+      (5-9 s a level, mostly rows of 300 tokens caught up with 10-30 left as the level drained to 1-4 rows; session
+      23).
     """
 
     EXPLORE_EVERY = 16  # a drafting (when modelled not to pay) or lookup-vs-plain exploration round this often
@@ -346,9 +346,9 @@ class SpeculationBudget:
         still gets lookup-alone rounds where its match is long, so those are no part of what drafting changes; the
         first depth alone undervalued drafting at one row (fp32 here: 69 against 87 ms a token measured, the model
         ~0), holding out the long prompts' draft for good."""
-        mine, plain = self._kinds.get((_bucket(batch), "draft")), self._kinds.get((_bucket(batch), "plain"))
-        if mine is not None and plain is not None and min(mine[2], plain[2]) >= self.MEASURED_AFTER:
-            return max(1000.0 * (plain[0] / plain[1] - mine[0] / mine[1]), 0.0)
+        drafting, plain = self._token_s(batch, "draft"), self._token_s(batch, "plain")
+        if drafting is not None and plain is not None:
+            return max(1000.0 * (plain - drafting), 0.0)
         saved = (1 + hit) * v1 - v2 - 1000.0 * self.depth_seconds(batch)
         return max(saved, 0.0) / (max(batch, 1) * (1 + hit))
 
@@ -380,10 +380,14 @@ class SpeculationBudget:
     def measured_better(self, batch: int, kind: str, other: str) -> bool | None:
         """Whether `kind` rounds emitted tokens faster than `other` rounds at about this batch size, as measured; None
         until both have `MEASURED_AFTER` decode rounds there."""
-        mine, theirs = self._kinds.get((_bucket(batch), kind)), self._kinds.get((_bucket(batch), other))
-        if mine is None or theirs is None or min(mine[2], theirs[2]) < self.MEASURED_AFTER:
-            return None
-        return mine[0] / mine[1] < theirs[0] / theirs[1]
+        mine, theirs = self._token_s(batch, kind), self._token_s(batch, other)
+        return None if mine is None or theirs is None else mine < theirs
+
+    def _token_s(self, batch: int, kind: str) -> float | None:
+        """Measured seconds per token of `kind` decode rounds at about this batch size; None until `MEASURED_AFTER`
+        of them were timed there."""
+        got = self._kinds.get((_bucket(batch), kind))
+        return None if got is None or got[2] < self.MEASURED_AFTER else got[0] / got[1]
 
     def measured(self) -> dict[str, dict[str, float]]:
         """Measured ms per token of each kind of decode round by batch size bucket (for stats; `nodraft`: tree and
