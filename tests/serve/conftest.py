@@ -124,7 +124,9 @@ def tiny_config(dirs: dict[str, Path], **extra) -> dict:
                   # Wait for the other targets' rounds so the test sees them merge into one draft forward.
                   "max_batch_size": 3, "batch_wait_timeout_s": 0.05, "batch_wait_fraction": 1.0},
         "spec": {"mode": "s2d", "policy": "fixed", "k": 4},
-        "limits": {"max_tokens_limit": 64, "max_prompt_tokens": 400, "max_body_bytes": 4096,
+        # 448 tokens: the hang-up tests need a generation that outlasts a stats call on a fast (AVX512) host, where the
+        # tiny target decodes 64 tokens in under 0.3 s; requests without max_tokens still get 64.
+        "limits": {"max_tokens_limit": 448, "default_max_tokens": 64, "max_prompt_tokens": 400, "max_body_bytes": 4096,
                    "max_concurrent_sequences": 4, "max_queued_requests": 4, "max_choices": 6,
                    "max_prompt_logprobs_tokens": 64},
         "api_key": API_KEY,

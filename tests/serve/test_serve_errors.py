@@ -29,7 +29,7 @@ CASES = [
     ("negative-token-echo", "completions", {**OK, "prompt": [-1], "echo": True}, 400, None),  # echo decodes ids
     ("max-tokens-zero", "completions", {**OK, "max_tokens": 0}, 400, None),  # 0 only with echo
     ("max-tokens-negative", "completions", {**OK, "max_tokens": -3}, 400, "max_tokens"),
-    ("max-tokens-over-limit", "completions", {**OK, "max_tokens": 65}, 400, None),
+    ("max-tokens-over-limit", "completions", {**OK, "max_tokens": 449}, 400, None),
     ("prompt-over-limit", "completions", {**OK, "prompt": [5] * 401}, 400, None),
     ("prompt-over-context", "completions", {**OK, "model": "tiny-b", "prompt": [5] * 200}, 400, None),
     ("prompt-plus-max-tokens-over-context", "completions",

@@ -51,11 +51,12 @@ def test_stop_string_ends_and_is_not_returned(tiny_app, ref64):
 
 
 def test_disconnect_aborts_and_frees_kv_on_draft_and_target(tiny_app, ref64):
-    """Read one streamed chunk of a long generation, hang up: the request is aborted and no KV is left behind."""
+    """Read one streamed chunk of a long generation, hang up: the request is aborted and no KV is left behind. The
+    generation is 400 tokens so that it is still running when the stats call lands, on any host."""
     prompt_ids = ref64.ids(LONG_PROMPT)
-    assert len(ref64.greedy(prompt_ids, 64)) == 64  # it would run all 64 tokens if nobody stopped it
+    assert len(ref64.greedy(prompt_ids, 400)) == 400  # it would run all 400 tokens if nobody stopped it
     aborts_before = _metric(tiny_app, 's2d:request_aborts_total{model="tiny-a",reason="cancelled"}')
-    body = {"model": "tiny-a", "prompt": prompt_ids, "max_tokens": 64, "temperature": 0, "stream": True}
+    body = {"model": "tiny-a", "prompt": prompt_ids, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{tiny_app.url}/v1/completions", content=json.dumps(body),
                       headers={"content-type": "application/json", **AUTH}, timeout=HTTP_TIMEOUT) as resp:
         assert resp.status_code == 200

@@ -211,8 +211,10 @@ def test_openai_client_logprobs_n_echo_streamed_and_not(tiny_app, ref):
 
 
 def test_client_hanging_up_mid_n_streams_frees_everything(tiny_app):
-    body = {"model": "tiny-a", "prompt": PROMPT, "max_tokens": 60, "temperature": 1.0, "n": 4, "stream": True,
-            "logprobs": 2, "seed": 1, "stop": ["never-in-tiny-text-xyz"]}
+    """Greedy, 400 tokens: no choice can end early (the target's greedy text has no EOS that soon) and the
+    generation outlasts the stats call on a fast host; sampled choices could stop at EOS before the check."""
+    body = {"model": "tiny-a", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "n": 4, "stream": True,
+            "logprobs": 2, "stop": ["never-in-tiny-text-xyz"]}
     with httpx.stream("POST", f"{tiny_app.url}/v1/completions", content=json.dumps(body),
                       headers={"content-type": "application/json", **AUTH}, timeout=HTTP_TIMEOUT) as resp:
         assert resp.status_code == 200
