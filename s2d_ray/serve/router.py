@@ -214,13 +214,17 @@ class Router:
         """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
         out: dict = {"router": self.replica, "targets": {}}
         # Every deployment is asked at once: one dead replica costs its own bounded wait, not the sum of all of them.
+        # The router's own counts are read before the calls: the deployments answer at once too, so the snapshot is
+        # of one moment, not of the slowest deployment's answer (a request could finish in between).
         names = list(self.schedulers)
+        for name in names:
+            sched = self.schedulers[name]
+            out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting),
+                                    "timing": sched.timing()}
         handles = [self.target_handles[n] for n in names] + ([self.draft_handle] if self.cfg.uses_draft else [])
         answers = await asyncio.gather(*(_call_stats(h) for h in handles))
         for name, dep in zip(names, answers):
-            sched = self.schedulers[name]
-            out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting), "deployment": dep,
-                                    "timing": sched.timing()}
+            out["targets"][name]["deployment"] = dep
         out["draft"] = answers[-1] if self.cfg.uses_draft else None
         out["recomputed_tokens"] = self._recomputed()
         return out

@@ -63,7 +63,7 @@ def test_disconnect_aborts_and_frees_kv_on_draft_and_target(tiny_app, ref64):
         first = next(line for line in resp.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
         stats = tiny_app.handle.stats.remote().result()
-        assert stats["targets"]["tiny-a"]["running"] == 1
+        assert stats["targets"]["tiny-a"]["running"] == 1, (stats, first, list(resp.iter_lines())[-3:])
         assert stats["targets"]["tiny-a"]["deployment"]["num_active"] == 1
     # Connection closed mid-generation.
 
