@@ -288,16 +288,18 @@ def serve_markdown(result: dict) -> str:
     timed = [s for s in result["summary"] if s.get("server")]
     if timed:
         lines += ["", "Server clocks per level (the router's `timing`: rounds, and per call the wall ms, the replica's "
-                  "ms, the difference (the price of the call itself), and the model thread's CPU ms in the replica):",
+                  "ms, the difference (the price of the call itself), and the model thread's CPU ms in the replica; "
+                  "for the draft, its ms from the call's arrival (merge hold included) and its forward's CPU ms):",
                   "", "| level | rounds | tokens / round | round ms | target calls | call ms | replica ms | overhead ms "
-                  "| replica CPU ms | draft calls | draft overhead ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| replica CPU ms | draft calls | draft ms | draft CPU ms | draft overhead ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in timed:
             t, tg, dr = s["server"], s["server"].get("target", {}), s["server"].get("draft", {})
             level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
             lines.append(f"| {level} | {t['rounds']} | {s['output_tokens'] / t['rounds']:.2f} | {t['round_ms']:.1f} | "
                          f"{tg.get('calls', 0)} | {_f(tg.get('call_ms'))} | {_f(tg.get('replica_ms'))} | "
                          f"{_f(tg.get('overhead_ms'))} | {_f(tg.get('replica_cpu_ms'))} | {dr.get('calls', 0)} | "
-                         f"{_f(dr.get('overhead_ms'))} |")
+                         f"{_f(dr.get('replica_ms'))} | {_f(dr.get('replica_cpu_ms'))} | {_f(dr.get('overhead_ms'))} |")
     spent = [s for s in timed if s["server"].get("spent")]
     if spent:
         lines += ["", "Where each level's rounds went, by kind of round (the load-aware budget's account: rounds, "

@@ -175,6 +175,14 @@ class LayerStack(nn.Module):
                         "on this CPU", sum(m.several for m in wrapped), self.one_row_linears)
         return self.packed_linears
 
+    def kernels(self) -> dict:
+        """The kernels this process measured and chose for the stack (stats and /health): projections packed for
+        several rows (oneDNN) and for one row (MKL), and the innermost attention kernel. Chosen when a model loads,
+        so a process that loaded beside busy neighbours may have chosen differently from a quiet one."""
+        wrapped = [m for m in [*self.layers.modules(), self.parts.head, self._head_packed] if isinstance(m, PackedLinear)]
+        return {"packed_several": sum(m.several for m in wrapped), "packed_one_row": self.one_row_linears,
+                "attention": ("sdpa" if self.sdpa_kernel else "grouped") if self.grouped else "sdpa-masked"}
+
     def use_graphs(self, capture: bool | None = None) -> None:
         """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`
         runs the same padded forwards eagerly: how the CPU tests their exactness."""

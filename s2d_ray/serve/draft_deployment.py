@@ -111,14 +111,16 @@ class DraftDeployment:
             flat = [r for b in group for r in b]
             self.idle.touch([r.seq_id for r in flat])
             recomputed = split_like(recomputed_tokens(drafter.table, flat, [n for i in idx for n in seen[i]]), group)
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.thread_time()
             proposals = [p for part in chunks(flat, self.max_rows) for p in drafter.propose(part)]
-            end = time.monotonic()
+            end, cpu = time.monotonic(), time.thread_time() - cpu
             self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start, end)
             for i, props, counts in zip(idx, split_like(proposals, group), recomputed):
                 self.recomputed += sum(counts)
-                # seconds: arrival to answer here (the merge hold and the forward), so the caller sees transport
-                results[i] = Counted(props, sum(counts), self.replica, end - arrivals[i])
+                # seconds: arrival to answer here (the merge hold and the forward), so the caller sees transport;
+                # cpu: the model thread's CPU time in the forward, below its wall time by what it waited for a core
+                # or the GIL (in the router, its event loop's)
+                results[i] = Counted(props, sum(counts), self.replica, end - arrivals[i], cpu)
         return results  # type: ignore[return-value]
 
     def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
@@ -139,7 +141,8 @@ class DraftDeployment:
         return {"replica": self.replica, "num_active": sum(d.num_active for d in self.drafters),
                 **self.capacity.stats(), "recomputed_tokens": self.recomputed,
                 "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
-                "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters)}
+                "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters),
+                "kernels": self.default.stack.kernels()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Pushed to Serve's controller when the draft autoscales: `draft_autoscale.DraftBusyPolicy` reads it."""

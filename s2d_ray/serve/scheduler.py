@@ -164,7 +164,9 @@ class DraftClient:
                                self.retry_after_s)
                 self.down_until = time.monotonic() + self.retry_after_s
             else:
-                self.times.add(time.perf_counter() - start, max((reply.seconds for _, reply in parts), default=0.0))
+                slowest = max((reply for _, reply in parts), key=lambda reply: reply.seconds, default=None)
+                self.times.add(time.perf_counter() - start, slowest.seconds if slowest else 0.0,
+                               slowest.cpu_seconds if slowest else 0.0)
                 results = aff.gathered(parts, len(drafts))
                 for d, p in zip(drafts, results):
                     # A chain: the drafter ran every proposed token but the last through its first layers; a tree

@@ -48,7 +48,7 @@ class LocalTarget:
         cache = self.verifier.cache
         return {"tp_size": 1, "num_evicted": table.num_evicted, "num_forked_tokens": table.num_forked_tokens,
                 "cache_bytes": cache.nbytes(), "num_passes": cache.num_passes,
-                "num_gathered_passes": cache.num_gathered}
+                "num_gathered_passes": cache.num_gathered, "kernels": self.verifier.stack.kernels()}
 
     @property
     def cpu_s(self) -> float:

@@ -152,6 +152,19 @@ def test_three_targets_under_load_share_draft_forwards(tiny_app, refs, tiny_fami
     assert after["rows_per_forward"] > 1 and after["busy_s"] > before["busy_s"]
 
 
+def test_stats_show_each_processs_kernels_and_the_drafts_cpu_time(tiny_app):
+    """The kernels each replica measured and chose when it loaded (they can differ between replicas of one model:
+    replicas load side by side), and per call the draft forward's CPU time beside its wall time (what tells a draft
+    waiting for a core or the GIL from a slow one)."""
+    complete(tiny_app, "tiny-a", PROMPTS[0], 8)
+    stats = tiny_app.handle.stats.remote().result()
+    for kernels in (stats["targets"]["tiny-a"]["deployment"]["kernels"], stats["draft"]["kernels"]):
+        assert kernels["attention"] in ("sdpa", "grouped")
+        assert kernels["packed_several"] == kernels["packed_one_row"] == 0  # float64: never packed
+    draft = stats["targets"]["tiny-a"]["timing"]["draft"]
+    assert draft["calls"] > 0 and 0 < draft["mean_replica_cpu_ms"] <= draft["mean_replica_ms"] + 1.0
+
+
 def test_handle_api_generate_and_stream(tiny_app, refs):
     from s2d_ray.serve.openai_protocol import GenerateRequest
 

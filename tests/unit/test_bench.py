@@ -244,8 +244,9 @@ def _free_port() -> int:
 def sse_server():
     """A stand-in OpenAI streaming endpoint on 127.0.0.1 (the real router replaces it once it exists):
     5 chunks of 2 tokens (10 of 1 with `speculate: false`), usage last; prompt "FAIL" -> 400, prompt "HANG" -> never
-    answers. /health has the router's clocks for model "m": a round and a target call per chunk (20 ms rounds, 15 ms
-    calls of which the replica spent 10, its model thread 8 of CPU)."""
+    answers. /health has the router's clocks for model "m": a round, a target call and a draft call per chunk (20 ms
+    rounds, 15 ms target calls of which the replica spent 10, its model thread 8 of CPU; 7 ms draft calls, 6 in the
+    draft, 4 of them its CPU)."""
     import asyncio
 
     import uvicorn
@@ -261,7 +262,9 @@ def sse_server():
         return {"targets": {"m": {"timing": {
             "round": {"rounds": n, "mean_round_ms": 20.0, "mean_gap_ms": 0.0},
             "target": {"calls": n, "mean_call_ms": 15.0, "mean_replica_ms": 10.0, "mean_overhead_ms": 5.0,
-                       "mean_replica_cpu_ms": 8.0}}}}}
+                       "mean_replica_cpu_ms": 8.0},
+            "draft": {"calls": n, "mean_call_ms": 7.0, "mean_replica_ms": 6.0, "mean_overhead_ms": 1.0,
+                      "mean_replica_cpu_ms": 4.0}}}}}
 
     @app.post("/v1/completions")
     async def completions(body: dict):
@@ -429,11 +432,13 @@ def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
     for level in result["summary"]:
         server = level["server"]
         assert server["rounds"] == level["completed"] * (10 if level["variant"] == "plain" else 5)
-        assert server["round_ms"] == pytest.approx(20.0) and "draft" not in server
-        assert server["target"]["calls"] == server["rounds"]
+        assert server["round_ms"] == pytest.approx(20.0)
+        assert server["target"]["calls"] == server["draft"]["calls"] == server["rounds"]
         assert server["target"]["overhead_ms"] == pytest.approx(5.0)
         assert server["target"]["replica_cpu_ms"] == pytest.approx(8.0)
-    assert "| 1 plain | 40 | 1.00 | 20.0 | 40 | 15.0 | 10.0 | 5.0 | 8.0 | 0 | - |" in serve_markdown(result)
+        assert server["draft"]["replica_cpu_ms"] == pytest.approx(4.0)
+    assert "| 1 plain | 40 | 1.00 | 20.0 | 40 | 15.0 | 10.0 | 5.0 | 8.0 | 40 | 6.0 | 4.0 | 1.0 |" in \
+        serve_markdown(result)
     assert timing_delta(None, {"round": {}}) is None  # a server without clocks: nothing recorded
 
 

@@ -151,6 +151,13 @@ def test_greedy_speculation_with_packed_projections_equals_target_greedy(monkeyp
         assert (verifier.stack.packed_linears > 0) is (kernel == "packed")
         assert (drafter.stack.packed_linears > 0) is (kernel == "packed")
         assert (verifier.stack.one_row_linears > 0) is (kernel == "packed" and linear.one_row_supported(torch.float32))
+        # What the served stats report: every projection of the target (7 a layer) and its head, or none.
+        kernels = verifier.stack.kernels()
+        layers = len(verifier.stack.layers)
+        assert kernels["packed_several"] == (7 * layers + 1 if kernel == "packed" and linear.supported(torch.float32)
+                                             else 0)
+        assert kernels["packed_one_row"] == verifier.stack.one_row_linears
+        assert kernels["attention"] in ("sdpa", "grouped")
         outs[kernel] = [r.token_ids for r in run(SpecEngine(verifier, drafter, FixedK(4)), prompts, 24, batch=True)]
     assert outs["packed"] == outs["stock"]
     assert outs["packed"] == [reference_greedy(model, p, 24) for p in prompts]
