@@ -3,7 +3,7 @@
 # local (as shipped), wide1 (wide_threads 1), passive (OMP_WAIT_POLICY=PASSIVE in the replicas' environment). YAMLs in
 # bench_results/serve-s25/c1ab/yaml. Run alone under quiet.sh.
 D=/work/main/bench_results/serve-s25/c1ab
-mkdir -p $D/yaml && cp /work/notes/y/*.yaml $D/yaml/
+mkdir -p $D/yaml; [ -d /work/notes/y ] && cp /work/notes/y/*.yaml $D/yaml/   # the YAMLs are committed there
 n=0
 for v in ${ORDER:-local passive wide1 local passive wide1}; do
   n=$((n+1)); mkdir -p $D/$n && cp $D/yaml/$v.yaml $D/$n/$v.yaml
