@@ -140,6 +140,7 @@ class LayerStack(nn.Module):
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
         self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
         self.packed_linears = 0  # how many projections run packed, either way (use_packed_linears)
+        self.several_linears = 0  # ... of them for several rows (oneDNN)
         self.one_row_linears = 0  # ... of them for one row (MKL)
         self._head_packed: PackedLinear | None = None
 
@@ -169,18 +170,18 @@ class LayerStack(nn.Module):
         candidates = [*self.layers.modules(), self.parts.head, self._head_packed]
         wrapped = [m for m in candidates if isinstance(m, PackedLinear)]
         self.packed_linears = len(wrapped)
+        self.several_linears = sum(m.several for m in wrapped)
         self.one_row_linears = sum(m.one_row for m in wrapped)
         if wrapped:
             logger.info("%d projections run packed for several rows (oneDNN), %d for one row (MKL): measured faster "
-                        "on this CPU", sum(m.several for m in wrapped), self.one_row_linears)
+                        "on this CPU", self.several_linears, self.one_row_linears)
         return self.packed_linears
 
     def kernels(self) -> dict:
         """The kernels this process measured and chose for the stack (stats and /health): projections packed for
         several rows (oneDNN) and for one row (MKL), and the innermost attention kernel. Chosen when a model loads,
         so a process that loaded beside busy neighbours may have chosen differently from a quiet one."""
-        wrapped = [m for m in [*self.layers.modules(), self.parts.head, self._head_packed] if isinstance(m, PackedLinear)]
-        return {"packed_several": sum(m.several for m in wrapped), "packed_one_row": self.one_row_linears,
+        return {"packed_several": self.several_linears, "packed_one_row": self.one_row_linears,
                 "attention": ("sdpa" if self.sdpa_kernel else "grouped") if self.grouped else "sdpa-masked"}
 
     def use_graphs(self, capture: bool | None = None) -> None:

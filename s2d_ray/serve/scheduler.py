@@ -122,6 +122,12 @@ class CallTimes:
         if self.observe is not None and replica_s > 0:
             self.observe(max(wall_s - replica_s, 0.0))
 
+    def add_slowest(self, wall_s: float, replies: Iterator[Any]) -> None:
+        """One round's call(s): the wall time, and the replica time of the slowest reply (a round split over replicas
+        waits for it), or 0 when no replica answered."""
+        slowest = max(replies, key=lambda reply: reply.seconds, default=None)
+        self.add(wall_s, slowest.seconds if slowest else 0.0, slowest.cpu_seconds if slowest else 0.0)
+
     def summary(self) -> dict:
         n = max(self.calls, 1)
         return {"calls": self.calls, "mean_call_ms": 1e3 * self.wall_s / n,
@@ -164,9 +170,7 @@ class DraftClient:
                                self.retry_after_s)
                 self.down_until = time.monotonic() + self.retry_after_s
             else:
-                slowest = max((reply for _, reply in parts), key=lambda reply: reply.seconds, default=None)
-                self.times.add(time.perf_counter() - start, slowest.seconds if slowest else 0.0,
-                               slowest.cpu_seconds if slowest else 0.0)
+                self.times.add_slowest(time.perf_counter() - start, (reply for _, reply in parts))
                 results = aff.gathered(parts, len(drafts))
                 for d, p in zip(drafts, results):
                     # A chain: the drafter ran every proposed token but the last through its first layers; a tree
@@ -209,9 +213,7 @@ class TargetClient:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
-        slowest = max((reply for _, reply in parts), key=lambda reply: reply.seconds, default=None)
-        self.times.add(time.perf_counter() - start, slowest.seconds if slowest else 0.0,
-                       slowest.cpu_seconds if slowest else 0.0)
+        self.times.add_slowest(time.perf_counter() - start, (reply for _, reply in parts))
         results = aff.gathered(parts, len(requests))
         for r, res in zip(requests, results):
             if r.steps > 1:  # plain steps: the replica also computed every chosen token but the last
