@@ -34,11 +34,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
                                         **cfg.deployment_options(cfg.draft.serve_options())).bind(cfg)
     targets = {
         t.name: TargetDeployment.options(name=f"target-{t.name}", request_router_config=affinity_router_config(),
-                                         **cfg.deployment_options(t.serve_options()), **t.placement())
+                                         **cfg.deployment_options(t.serve_options()), **t.placement_group())
         .bind(cfg, t.name)
-        for t in cfg.targets
+        for t in cfg.deployed_targets  # the others are loaded by the router (placement: router)
     }
-    logger.info("s2d app: targets=%s draft=%s (%s) mode=%s", [t.name for t in cfg.targets],
+    logger.info("s2d app: targets=%s (in the router: %s) draft=%s (%s) mode=%s", [t.name for t in cfg.targets],
+                sorted(set(t.name for t in cfg.targets) - set(targets)),
                 cfg.draft.source if cfg.uses_draft else None, cfg.draft.placement, cfg.spec.mode)
     router = cfg.deployment_options(cfg.router.serve_options())
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default

@@ -112,6 +112,14 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
         "so its first token does not wait). 1: one step per call. Tensor-parallel targets always take one (their "
         "ranks step in lockstep)."
     )
+    placement: Literal["deployment", "router"] = Field(
+        "deployment", description="`deployment`: the target is a Serve deployment of its own (replicas, autoscaling, "
+        "tensor parallelism), verified over one Ray call per round. `router`: each router replica loads the model and "
+        "verifies on the router's model thread, as `draft.placement: router` does for the draft: no call per round "
+        "(the latency path of one machine, where the call is ~6 ms of a ~60 ms round at concurrency 1). The target "
+        "then scales with the router (each router replica holds a copy), takes tp_size 1, and its deployment options "
+        "(replicas, autoscaling, num_cpus) do not apply: size `router.num_cpus` for its work."
+    )
 
     @model_validator(mode="after")
     def _tp_dtype(self) -> "TargetSpec":
@@ -119,11 +127,24 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
             raise ValueError(f"target {self.name}: DeepSpeed AutoTP does not support float64; use float32 or bfloat16")
         return self
 
+    @model_validator(mode="after")
+    def _placed_target_has_no_deployment(self) -> "TargetSpec":
+        if self.placement != "router":
+            return self
+        if self.tp_size > 1:
+            raise ValueError(f"target {self.name}: placement: router loads the whole model in the router's process; "
+                             "a tensor-parallel target (tp_size > 1) needs placement: deployment")
+        given = sorted(set(DeploymentOptions.model_fields) & self.model_fields_set)
+        if given:
+            raise ValueError(f"target {self.name}: with placement: router the target runs in the router's process: "
+                             f"{', '.join(given)} would not apply (set the router's)")
+        return self
+
     @property
     def device(self) -> str:
         return "cuda" if self.num_gpus > 0 or (self.tp_size > 1 and self.tp_worker_gpus > 0) else "cpu"
 
-    def placement(self) -> dict[str, Any]:
+    def placement_group(self) -> dict[str, Any]:
         """Placement group options for a TP replica: bundle 0 is the replica, bundles 1..N its ranks (one node)."""
         if self.tp_size == 1:
             return {}
@@ -140,7 +161,7 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
     placement: Literal["deployment", "router"] = Field(
         "deployment", description="`deployment`: the draft is its own Serve deployment (its own replicas and "
         "autoscaling, shared by every router replica). `router`: each router replica loads the draft and runs it on "
-        "a model thread of its own (still shared by all of that router's targets, and their rounds still merge into "
+        "the router's model thread (still shared by all of that router's targets, and their rounds still merge into "
         "one forward): a drafting round makes one call fewer. The draft's deployment options (replicas, "
         "autoscaling, num_cpus) then do not apply: size `router.num_cpus` for the draft's work."
     )
@@ -258,6 +279,11 @@ class AppConfig(_Strict):
 
     def target(self, name: str) -> TargetSpec:
         return next(t for t in self.targets if t.name == name)
+
+    @property
+    def deployed_targets(self) -> list[TargetSpec]:
+        """Targets that are Serve deployments of their own (the others are loaded by each router replica)."""
+        return [t for t in self.targets if t.placement == "deployment"]
 
     def engine_config(self, name: str) -> EngineConfig:
         """The core EngineConfig of one target (the same object the CLI and benchmarks build from)."""

@@ -21,8 +21,8 @@ from .app_config import AppConfig
 from .draft_autoscale import BUSY_METRIC
 from .draft_capacity import DraftCapacity, MergeQueue
 from .replica import (
-    Counted, IdleSequences, ModelThread, chunks, recomputed_tokens, replica_id, split_like,
-    target_window,
+    Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, recomputed_tokens, replica_id,
+    split_like, target_window,
 )
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, S
 class DraftDeployment:
     def __init__(self, cfg: AppConfig) -> None:
         set_threads(cfg.num_threads)
-        self.thread = ModelThread(cfg.num_threads)
+        self.thread = process_model_thread(cfg.num_threads)  # the router's, with draft.placement: router
         draft = load_shared_draft(cfg)
         self.default = SortedDrafter(draft, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads)
         self.by_target, self.thresholds = per_target_drafters(cfg, draft)
@@ -154,23 +154,6 @@ class DraftDeployment:
         if expired:
             logger.warning("dropping draft state of %d idle sequences", len(expired))
         await self.thread.run(self._release_sync, expired)
-
-
-class InProcessHandle:
-    """A deployment handle's call shape over an object in this process: `handle.method.remote(...)` is an awaitable
-    of `obj.method(...)`. The router holds the draft this way with `draft.placement: router`, so its draft client
-    (affinity, fallback, timing) is the same code either way; the draft's forwards run on its own model thread."""
-
-    def __init__(self, obj: object) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name: str) -> "_Method":
-        return _Method(getattr(self._obj, name))
-
-
-class _Method:
-    def __init__(self, fn) -> None:
-        self.remote = fn  # an async method: calling it makes the coroutine the caller awaits
 
 
 def draft_in_router(cfg: AppConfig) -> InProcessHandle:

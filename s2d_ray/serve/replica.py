@@ -1,4 +1,4 @@
-"""Replica plumbing the model deployments share: one model thread per replica, idle-sequence bookkeeping, the
+"""Replica plumbing the model deployments share: one model thread per process, idle-sequence bookkeeping, the
 replica's device, and cutting batched results back into per-call lists."""
 
 from __future__ import annotations
@@ -40,6 +40,42 @@ class ModelThread:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class InProcessHandle:
+    """A deployment handle's call shape over an object in this process: `handle.method.remote(...)` is an awaitable
+    of `obj.method(...)`. The router holds the draft (`draft.placement: router`) and targets (`placement: router`) this
+    way, so its draft and target clients (affinity, fallback, timing) are the same code either way; their forwards run
+    on model threads of their own."""
+
+    def __init__(self, obj: object) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> "_Method":
+        return _Method(getattr(self._obj, name))
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.remote = fn  # an async method: calling it makes the coroutine the caller awaits
+
+
+_MODEL_THREADS: dict[int | None, ModelThread] = {}
+
+
+def process_model_thread(num_threads: int | None) -> ModelThread:
+    """This process's model thread (made on first use): every model in a process runs its forwards on the same one.
+
+    libgomp gives each OS thread that starts parallel regions a pool of workers of its own; two pools whose threads
+    outnumber the cores make libgomp throttle its spin-wait, so workers sleep between the regions of a forward and
+    every region pays a wake-up. With the draft and a target on two model threads of one router process, a prompt's
+    prefill took 222 ms against 125 ms on one thread, and the process alone served 36.6 tok/s against 40.5 at
+    concurrency 1 (BENCHMARKS.md, session 26). One thread also means a process's forwards never overlap, which on a
+    CPU would only make them share the cores."""
+    thread = _MODEL_THREADS.get(num_threads)
+    if thread is None:
+        thread = _MODEL_THREADS[num_threads] = ModelThread(num_threads)
+    return thread
 
 
 class IdleSequences:

@@ -39,7 +39,7 @@ from .openai_protocol import (
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
 from .loaders import load_tokenizer, model_context
-from .replica import replica_id
+from .replica import InProcessHandle, replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,13 @@ class Router:
             from .draft_deployment import draft_in_router
 
             draft = draft_in_router(cfg)
+        placed = [t.name for t in cfg.targets if t.placement == "router"]
+        if placed:
+            from .target_deployment import target_in_router
+
+            targets = {**targets, **{name: target_in_router(cfg, name) for name in placed}}
         self.draft_handle, self.target_handles = draft, targets
+        self._in_process = [h for h in [*targets.values(), draft] if isinstance(h, InProcessHandle)]
         self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
         self.replica = replica_id()
@@ -269,9 +275,10 @@ class Router:
         return JSONResponse({"status": "ok" if not bad else "degraded", "failing": bad, **stats}, status_code=status)
 
     async def check_health(self) -> None:
-        """Serve's periodic check: with the draft placed here, its model thread answers and idle state is dropped."""
-        if self.cfg.uses_draft and not self.cfg.draft_deployment:
-            await self.draft_handle.check_health.remote()
+        """Serve's periodic check: the draft and targets placed here answer on their model threads, and their idle
+        state is dropped."""
+        for handle in self._in_process:
+            await handle.check_health.remote()
 
     @app.get("/metrics")
     async def prometheus(self) -> Response:

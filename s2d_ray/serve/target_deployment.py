@@ -15,8 +15,8 @@ from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from .app_config import AppConfig
 from .replica import (
-    Counted, IdleSequences, ModelThread, chunks, release_all, replica_id, score_counted, split_like,
-    target_window,
+    Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, release_all, replica_id,
+    score_counted, split_like, target_window,
 )
 from .tp import TPGroup
 
@@ -24,15 +24,24 @@ logger = logging.getLogger(__name__)
 
 
 class LocalTarget:
-    """The whole model in this replica; forwards run on the replica's one model thread."""
+    """The whole model in this process; forwards run on the process's one model thread (shared with the draft when
+    both are placed in the router)."""
 
     def __init__(self, verifier: TargetVerifier, num_threads: int | None) -> None:
         self.verifier = verifier
-        self.thread = ModelThread(num_threads)
+        self.thread = process_model_thread(num_threads)
+        self.cpu_s = 0.0  # the model thread's CPU seconds in this target's forwards (not the draft's beside it)
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """Logits and tokens recomputed per request (see state.recomputed_tokens)."""
-        return await self.thread.run(score_counted, self.verifier, requests, expected)
+        return await self.thread.run(self._score, requests, expected)
+
+    def _score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        start = time.thread_time()
+        try:
+            return score_counted(self.verifier, requests, expected)
+        finally:
+            self.cpu_s += time.thread_time() - start
 
     async def release(self, seq_ids: list[str]) -> None:
         await self.thread.run(release_all, self.verifier, seq_ids)
@@ -50,12 +59,8 @@ class LocalTarget:
                 "cache_bytes": cache.nbytes(), "num_passes": cache.num_passes,
                 "num_gathered_passes": cache.num_gathered, "kernels": self.verifier.stack.kernels()}
 
-    @property
-    def cpu_s(self) -> float:
-        return self.thread.cpu_s
-
     def close(self) -> None:
-        self.thread.close()
+        """Nothing to stop: the model thread is the process's (it ends with the process)."""
 
 
 @serve.deployment
@@ -127,3 +132,9 @@ class TargetDeployment:
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.close()
+
+
+def target_in_router(cfg: AppConfig, name: str) -> InProcessHandle:
+    """A target loaded in this (router) process (`placement: router`): the deployment's class without Serve around
+    it; its `@serve.batch` runs on the router's event loop and its forwards on the process's model thread."""
+    return InProcessHandle(TargetDeployment.func_or_class(cfg, name))

@@ -25,7 +25,7 @@ from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..errors import S2DError
 from .app_config import TargetSpec
-from .replica import ModelThread, release_all, score_counted
+from .replica import process_model_thread, release_all, score_counted
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class TPWorker:
         self.rank, self.world_size, self.ecfg = rank, world_size, ecfg
         os.environ.update(rank_env(rank, world_size, port))
         set_threads(ecfg.num_threads)
-        self.thread = ModelThread(ecfg.num_threads)
+        self.thread = process_model_thread(ecfg.num_threads)
         self.verifier: TargetVerifier | None = None
 
     async def setup(self, max_rows: int, max_slots: int) -> dict:

@@ -31,7 +31,8 @@ def test_deployment_yaml_is_valid_for_serve_and_for_us(path):
         assert app.import_path == "s2d_ray.serve:build_app"
         cfg = AppConfig.model_validate(app.args)
         names = [d.name for d in _deployments(build_app(app.args))]
-        expected = {"router", *(f"target-{t.name}" for t in cfg.targets)} | ({"draft"} if cfg.draft_deployment else set())
+        expected = {"router", *(f"target-{t.name}" for t in cfg.deployed_targets)}  # placed ones: in the router
+        expected |= {"draft"} if cfg.draft_deployment else set()
         assert set(names) == expected
 
 
@@ -77,7 +78,7 @@ def test_gpu_yaml_describes_the_fleet():
     assert set(by_name) == {"vicuna-7b-v1.5", "vicuna-13b-v1.5", "llama-2-70b-chat"}
     big = by_name["llama-2-70b-chat"]
     assert big.tp_size == 4 and big.tp_worker_gpus == 1
-    placement = big.placement()
+    placement = big.placement_group()
     assert placement["placement_group_strategy"] == "STRICT_PACK"
     assert len(placement["placement_group_bundles"]) == 5  # the replica + 4 ranks
     assert all(b.get("GPU") == 1 for b in placement["placement_group_bundles"][1:])
@@ -89,7 +90,7 @@ def test_local_yaml_fits_a_two_cpu_ray():
     app = yaml.safe_load((REPO / "deployments" / "local.yaml").read_text())["applications"][0]
     cfg = AppConfig.model_validate(app["args"])
     cpus = cfg.router.num_cpus + (cfg.draft.num_cpus if cfg.draft_deployment else 0.0)
-    for t in cfg.targets:
+    for t in cfg.deployed_targets:  # a target placed in the router works on the router's CPUs
         cpus += t.num_cpus + (t.tp_worker_cpus * t.tp_size if t.tp_size > 1 else 0)
     assert cpus <= 2.0
     assert any(t.tp_size == 3 for t in cfg.targets)

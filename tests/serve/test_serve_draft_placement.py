@@ -1,6 +1,7 @@
-"""`draft.placement: router`: the router loads the shared draft and runs it on its own model thread. Served greedy
-still equals in-process target-only greedy for two targets decoding at once, no draft deployment exists, and /health
-reports the draft from the router's process."""
+"""`draft.placement: router` and a target's `placement: router`: the router loads the shared draft and one target
+and runs each on a model thread of its own. Served greedy still equals in-process target-only greedy for two targets
+decoding at once (one in the router, one a deployment), neither the draft nor the placed target has a deployment, and
+/health reports both from the router's process, their KV released."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def placed_app(serve_instance, tiny_family):
     from s2d_ray.serve import build_app
 
     cfg = tiny_config(tiny_family)
-    cfg["targets"] = cfg["targets"][:2]  # tiny-a, tiny-b
+    placed_b = {k: v for k, v in cfg["targets"][1].items() if k != "num_cpus"}
+    cfg["targets"] = [cfg["targets"][0], {**placed_b, "placement": "router"}]  # tiny-a a deployment, tiny-b in the router
     cfg["draft"] = {**{k: v for k, v in cfg["draft"].items() if k != "num_cpus"}, "placement": "router"}
     yield deploy(build_app(cfg), "placed", serve_instance, cfg)
     undeploy("placed")
@@ -32,7 +34,8 @@ def test_no_draft_deployment_and_greedy_equals_target_only(placed_app, tiny_fami
     from ray import serve
 
     deployments = serve.status().applications["placed"].deployments
-    assert "draft" not in deployments and "router" in deployments
+    assert "draft" not in deployments and "target-tiny-b" not in deployments
+    assert {"router", "target-tiny-a"} <= set(deployments)
     refs = {"tiny-a": Reference(str(tiny_family["a"]), "float64"), "tiny-b": Reference(str(tiny_family["b"]), "float64")}
     jobs = [(model, prompt) for model in refs for prompt in PROMPTS]
 
@@ -57,3 +60,15 @@ def test_no_draft_deployment_and_greedy_equals_target_only(placed_app, tiny_fami
     draft = r.json()["draft"]
     assert draft["replica"] == r.json()["router"]  # the draft runs in the router's process
     assert draft["num_rows"] > 0 and draft["num_active"] == 0  # every finished sequence's draft KV was released
+    placed = r.json()["targets"]["tiny-b"]["deployment"]
+    assert placed["replica"] == r.json()["router"]  # the target runs in the router's process too
+    assert placed["num_calls"] > 0 and placed["num_active"] == 0  # it verified, and every finished sequence's KV left
+    assert r.json()["targets"]["tiny-a"]["deployment"]["replica"] != r.json()["router"]
+
+
+def test_a_placed_target_takes_no_deployment_options():
+    from s2d_ray.serve import AppConfig
+
+    for bad, words in (({"num_cpus": 0.5}, "num_cpus would not apply"), ({"tp_size": 2}, "tensor-parallel")):
+        with pytest.raises(ValueError, match=words):
+            AppConfig.model_validate({"targets": [{"name": "t", "placement": "router", **bad}]})

@@ -388,3 +388,38 @@ def test_timing_reports_the_budgets_measured_rounds(target):
                and v["ms_per_token"] > 0 for k, v in stats["measured"].items())
     plain = SpecEngine(TargetVerifier(target))
     assert "speculation" not in TargetScheduler("t", plain, 4, 4, ServeMetrics()).timing()
+
+
+def test_models_of_one_process_share_its_model_thread_and_count_their_own_cpu():
+    """A draft and a target placed in one (router) process run their forwards on ONE OS thread (two threads would
+    each start a libgomp worker pool, which throttles the workers' spin and made a prefill 1.8x slower); each still
+    reports only its own forwards' CPU time."""
+    import threading
+    import time
+
+    from core_fixtures import tiny_target
+    from s2d_ray.core.target import TargetVerifier
+    from s2d_ray.core.types import ScoreRequest
+    from s2d_ray.serve.replica import process_model_thread
+    from s2d_ray.serve.target_deployment import LocalTarget
+
+    target = LocalTarget(TargetVerifier(tiny_target(seed=1)), 1)
+    draft_thread = process_model_thread(1)  # what DraftDeployment takes for its forwards
+    assert target.thread is draft_thread and process_model_thread(2) is not draft_thread
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    async def main():
+        idents = {await target.thread.run(threading.get_ident), await draft_thread.run(threading.get_ident)}
+        logits, recomputed = await target.score([ScoreRequest("s", [1, 2, 3, 4], 1)], [0])
+        own = target.cpu_s
+        await draft_thread.run(spin, 0.2)  # the draft's work on the same thread
+        return idents, logits, recomputed, own, target.cpu_s
+
+    idents, logits, recomputed, own, after = asyncio.run(main())
+    assert len(idents) == 1 and threading.get_ident() not in idents
+    assert logits[0].shape[0] == 1 and recomputed == [0]
+    assert 0 < own < 0.2 and after == own  # the draft's 0.2 s is not the target's
