@@ -178,6 +178,8 @@ def _register_serve(bench) -> None:
     p.add_argument("--check-dtype", default="auto",
                    help="dtype of the in-process reference: the served target's (auto resolves as the server does)")
     p.add_argument("--check-batch", type=int, default=8, help="prompts the reference decodes together")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent first (per variant) and not counted: a fresh "
+                   "server's first requests pay one-time costs")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 
@@ -223,7 +225,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.check_greedy and (args.temperature != 0.0 or args.check_batch < 1):
         raise ConfigError("--check-greedy needs --temperature 0 and --check-batch >= 1")
-    load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy)
+    if args.warmup < 0:
+        raise ConfigError("--warmup must be >= 0")
+    load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup)
     prompts = mixed_prompts(args.questions)
     result = asyncio.run(run_load(load, prompts))
     markdown = serve_markdown(result)

@@ -50,6 +50,11 @@ class LoadRun:
     # Ask for each response's generated ids (`return_token_ids`, an extension) and keep them, e.g. for the greedy
     # check (bench/greedy_check.py).
     return_token_ids: bool = False
+    # Requests sent before the first level, per variant, and not counted (FALLBACK_PROMPTS, not the measured ones): a
+    # fresh server's first requests pay one-time costs (kernel primitives for new shapes, the load-aware budget's
+    # first measurements; session 26: the first c1 level ran 33.8 tok/s cold against 38.1-38.5 warm), and the
+    # in-process twins warm up the same way. SGLang's bench_serving sends one too. The CLI's default is 1.
+    warmup: int = 0
 
 
 @dataclass
@@ -240,7 +245,13 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
     headers = {"authorization": f"Bearer {run.api_key}"} if run.api_key else {}
     summary, raw = [], {}
     variants = [("speculative", True), ("plain", False)] if run.compare_plain else [(None, run.speculate)]
+    warmup = []
     async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
+        for label, speculate in variants:
+            for i in range(run.warmup):
+                prompt = FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)]
+                got = await one_request(client, replace(run, speculate=speculate), prompt)
+                warmup.append({"variant": label, "ok": got.ok, "latency": got.latency, "error": got.error})
         for c in run.concurrency:
             sent = None  # requests the level's speculative run sent: its plain run sends the same ones
             for label, speculate in variants:
@@ -258,7 +269,7 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
                 raw[f"{c}-{label}" if label else str(c)] = [asdict(r) for r in results]
                 logger.info("concurrency %d %s: %s", c, label or "", summary[-1])
     settings = {**asdict(run), "api_key": "***" if run.api_key else None}
-    return {"machine": machine_info(), "run": settings, "summary": summary, "requests": raw}
+    return {"machine": machine_info(), "run": settings, "warmup": warmup, "summary": summary, "requests": raw}
 
 
 SPENT_KINDS = ("prompt", "draft", "catch-up", "tree", "plain")
