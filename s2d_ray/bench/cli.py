@@ -178,8 +178,8 @@ def _register_serve(bench) -> None:
     p.add_argument("--check-dtype", default="auto",
                    help="dtype of the in-process reference: the served target's (auto resolves as the server does)")
     p.add_argument("--check-batch", type=int, default=8, help="prompts the reference decodes together")
-    p.add_argument("--warmup", type=int, default=1, help="requests sent first (per variant) and not counted: a fresh "
-                   "server's first requests pay one-time costs")
+    p.add_argument("--warmup", type=int, default=4, help="requests sent first, one after another (per variant, the "
+                   "first prompts), and not counted: a fresh server's first few requests pay one-time costs")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 

@@ -50,10 +50,11 @@ class LoadRun:
     # Ask for each response's generated ids (`return_token_ids`, an extension) and keep them, e.g. for the greedy
     # check (bench/greedy_check.py).
     return_token_ids: bool = False
-    # Requests sent before the first level, per variant, and not counted (FALLBACK_PROMPTS, not the measured ones): a
-    # fresh server's first requests pay one-time costs (kernel primitives for new shapes, the load-aware budget's
-    # first measurements; session 26: the first c1 level ran 33.8 tok/s cold against 38.1-38.5 warm), and the
-    # in-process twins warm up the same way. SGLang's bench_serving sends one too. The CLI's default is 1.
+    # Requests sent one after another before the first level, per variant, and not counted (the run's first prompts,
+    # max_tokens as the levels'): a fresh server's first few requests pay one-time costs (session 26, c1 on a fresh
+    # local.yaml app: 34.8 tok/s after one warm-up request that answered one token, 38.5 after four, 38.1-38.5 on a
+    # server warmed by 52 requests). The in-process twins warm up too; SGLang's bench_serving and vLLM's
+    # benchmark_serving send a first request the same way. The CLI's default is 4.
     warmup: int = 0
 
 
@@ -249,9 +250,9 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
     async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
         for label, speculate in variants:
             for i in range(run.warmup):
-                prompt = FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)]
-                got = await one_request(client, replace(run, speculate=speculate), prompt)
-                warmup.append({"variant": label, "ok": got.ok, "latency": got.latency, "error": got.error})
+                got = await one_request(client, replace(run, speculate=speculate), prompts[i % len(prompts)])
+                warmup.append({"variant": label, "ok": got.ok, "latency": got.latency, "tokens": got.tokens,
+                               "error": got.error})
         for c in run.concurrency:
             sent = None  # requests the level's speculative run sent: its plain run sends the same ones
             for label, speculate in variants:
