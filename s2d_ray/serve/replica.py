@@ -46,7 +46,7 @@ class InProcessHandle:
     """A deployment handle's call shape over an object in this process: `handle.method.remote(...)` is an awaitable
     of `obj.method(...)`. The router holds the draft (`draft.placement: router`) and targets (`placement: router`) this
     way, so its draft and target clients (affinity, fallback, timing) are the same code either way; their forwards run
-    on model threads of their own."""
+    on the process's model thread."""
 
     def __init__(self, obj: object) -> None:
         self._obj = obj
@@ -69,9 +69,9 @@ def process_model_thread(num_threads: int | None) -> ModelThread:
     libgomp gives each OS thread that starts parallel regions a pool of workers of its own; two pools whose threads
     outnumber the cores make libgomp throttle its spin-wait, so workers sleep between the regions of a forward and
     every region pays a wake-up. With the draft and a target on two model threads of one router process, a prompt's
-    prefill took 222 ms against 125 ms on one thread, and the process alone served 36.6 tok/s against 40.5 at
-    concurrency 1 (BENCHMARKS.md, session 26). One thread also means a process's forwards never overlap, which on a
-    CPU would only make them share the cores."""
+    prefill took 222-227 ms against 124 ms on one thread, and the process alone served 36.6-37.7 tok/s against 43.7
+    at concurrency 1 (BENCHMARKS.md §0, session 26). One thread also means a process's forwards never overlap, which
+    on a CPU would only make them share the cores. Keyed by the thread count asked (a process asks one)."""
     thread = _MODEL_THREADS.get(num_threads)
     if thread is None:
         thread = _MODEL_THREADS[num_threads] = ModelThread(num_threads)
