@@ -39,7 +39,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
         for t in cfg.deployed_targets  # the others are loaded by the router (placement: router)
     }
     logger.info("s2d app: targets=%s (in the router: %s) draft=%s (%s) mode=%s", [t.name for t in cfg.targets],
-                sorted(set(t.name for t in cfg.targets) - set(targets)),
+                cfg.placed_targets,
                 cfg.draft.source if cfg.uses_draft else None, cfg.draft.placement, cfg.spec.mode)
     router = cfg.deployment_options(cfg.router.serve_options())
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default

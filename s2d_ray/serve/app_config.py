@@ -285,6 +285,11 @@ class AppConfig(_Strict):
         """Targets that are Serve deployments of their own (the others are loaded by each router replica)."""
         return [t for t in self.targets if t.placement == "deployment"]
 
+    @property
+    def placed_targets(self) -> list[str]:
+        """Names of the targets each router replica loads itself (`placement: router`)."""
+        return [t.name for t in self.targets if t.placement == "router"]
+
     def engine_config(self, name: str) -> EngineConfig:
         """The core EngineConfig of one target (the same object the CLI and benchmarks build from)."""
         t = self.target(name)

@@ -29,14 +29,21 @@ class ModelThread:
             self._pool.submit(torch.set_num_threads, num_threads).result()
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return (await self.run_timed(fn, *args))[0]
+
+    async def run_timed(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+        """fn's result and the CPU seconds the thread spent in it: a model sharing the process's thread with others
+        counts its own calls."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, partial(fn, *args))
 
-    def _timed(self, fn: Callable[[], Any]) -> Any:
+    def _timed(self, fn: Callable[[], Any]) -> tuple[Any, float]:
         start = time.thread_time()
         try:
-            return fn()
+            result = fn()
         finally:
-            self.cpu_s += time.thread_time() - start
+            spent = time.thread_time() - start
+            self.cpu_s += spent
+        return result, spent
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

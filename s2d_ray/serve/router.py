@@ -147,11 +147,10 @@ class Router:
             from .draft_deployment import draft_in_router
 
             draft = draft_in_router(cfg)
-        placed = [t.name for t in cfg.targets if t.placement == "router"]
-        if placed:
+        if cfg.placed_targets:
             from .target_deployment import target_in_router
 
-            targets = {**targets, **{name: target_in_router(cfg, name) for name in placed}}
+            targets = {**targets, **{name: target_in_router(cfg, name) for name in cfg.placed_targets}}
         self.draft_handle, self.target_handles = draft, targets
         self._in_process = [h for h in [*targets.values(), draft] if isinstance(h, InProcessHandle)]
         self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment

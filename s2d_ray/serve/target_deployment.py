@@ -34,14 +34,9 @@ class LocalTarget:
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """Logits and tokens recomputed per request (see state.recomputed_tokens)."""
-        return await self.thread.run(self._score, requests, expected)
-
-    def _score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        start = time.thread_time()
-        try:
-            return score_counted(self.verifier, requests, expected)
-        finally:
-            self.cpu_s += time.thread_time() - start
+        out, cpu = await self.thread.run_timed(score_counted, self.verifier, requests, expected)
+        self.cpu_s += cpu
+        return out
 
     async def release(self, seq_ids: list[str]) -> None:
         await self.thread.run(release_all, self.verifier, seq_ids)
