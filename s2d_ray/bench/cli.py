@@ -180,6 +180,11 @@ def _register_serve(bench) -> None:
     p.add_argument("--check-batch", type=int, default=8, help="prompts the reference decodes together")
     p.add_argument("--warmup", type=int, default=4, help="requests sent first, one after another (per variant, the "
                    "first prompts), and not counted: a fresh server's first few requests pay one-time costs")
+    p.add_argument("--twin", type=Path, default=None, metavar="YAML",
+                   help="the served app's Serve YAML: after the levels, build its engine for --model in this process "
+                   "and alternate served and in-process runs of the same requests at concurrency 1 (--twin-pairs "
+                   "times per variant): served / in-process, each pair minutes apart")
+    p.add_argument("--twin-pairs", type=int, default=3, help="served / in-process pairs per variant with --twin")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 
@@ -227,9 +232,18 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--check-greedy needs --temperature 0 and --check-batch >= 1")
     if args.warmup < 0:
         raise ConfigError("--warmup must be >= 0")
-    load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup)
+    if args.twin_pairs < 1:
+        raise ConfigError("--twin-pairs must be >= 1")
+    load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup,
+                   twin_pairs=args.twin_pairs if args.twin else 0)
     prompts = mixed_prompts(args.questions)
-    result = asyncio.run(run_load(load, prompts))
+    twin = None
+    if args.twin:  # built first: a config that cannot make the twin fails before the load runs
+        from ..fleet.plan import read_app_config
+        from .twin import build_twin
+
+        twin = build_twin(read_app_config(args.twin), args.model, prompts)
+    result = asyncio.run(run_load(load, prompts, twin))
     markdown = serve_markdown(result)
     if args.check_greedy:
         from ..config import EngineConfig, TargetConfig

@@ -56,6 +56,10 @@ class LoadRun:
     # server warmed by 52 requests). The in-process twins warm up too; SGLang's bench_serving and vLLM's
     # benchmark_serving send a first request the same way. The CLI's default is 4.
     warmup: int = 0
+    # With an in-process twin (bench/twin.py): after the levels, this many pairs at concurrency 1, each variant
+    # served and in process on the same requests, the order alternating (served first, then twin first): the
+    # ratio of runs minutes apart, on a host whose speed drifts more than the overhead measured.
+    twin_pairs: int = 0
 
 
 @dataclass
@@ -235,9 +239,10 @@ def _spent_delta(before: dict | None, after: dict | None) -> dict | None:
     return out or None
 
 
-async def run_load(run: LoadRun, prompts: list[str]) -> dict:
+async def run_load(run: LoadRun, prompts: list[str], twin=None) -> dict:
     """Every level in turn on one connection pool (loopback only; proxies from the environment are ignored); each
-    level also records what it added to the server's round and call clocks (`server`), where the server has them."""
+    level also records what it added to the server's round and call clocks (`server`), where the server has them.
+    With `twin` (bench/twin.py) and `run.twin_pairs`, the served-against-in-process pairs follow (`twin`)."""
     import httpx
 
     from .machine import machine_info
@@ -269,8 +274,50 @@ async def run_load(run: LoadRun, prompts: list[str]) -> dict:
                                 **({"server": server} if server else {})})
                 raw[f"{c}-{label}" if label else str(c)] = [asdict(r) for r in results]
                 logger.info("concurrency %d %s: %s", c, label or "", summary[-1])
+        pairs = await twin_pairs(client, run, prompts, twin, variants) if twin is not None else None
     settings = {**asdict(run), "api_key": "***" if run.api_key else None}
-    return {"machine": machine_info(), "run": settings, "warmup": warmup, "summary": summary, "requests": raw}
+    out = {"machine": machine_info(), "run": settings, "warmup": warmup, "summary": summary, "requests": raw}
+    return {**out, "twin": pairs} if pairs is not None else out
+
+
+async def twin_pairs(client, run: LoadRun, prompts: list[str], twin, variants) -> dict:
+    """Concurrency 1, `run.twin_pairs` times per variant: the served level, then the twin on the requests it sent
+    (the order swapped every other pair, so a drift in the host's speed does not favour either side). The twin
+    warms up as the served variants did."""
+    from .twin import run_twin_level
+
+    for label, speculate in variants:
+        if run.warmup:
+            run_twin_level(twin, 1, run.warmup, run.max_tokens, run.temperature, speculate is not False)
+    pairs = []
+    for p in range(run.twin_pairs):
+        for label, speculate in variants:
+            level = replace(run, speculate=speculate)
+            served = twin_run = None
+            for side in (("served", "twin") if p % 2 == 0 else ("twin", "served")):
+                if side == "served":
+                    if twin_run is not None:  # the twin's requests, however long they take
+                        level = replace(level, requests=twin_run["requests"], max_seconds=PAIRED_MAX_SECONDS)
+                    clocks, t0 = await server_timing(client, run), time.perf_counter()
+                    results = await run_level(client, level, 1, prompts)
+                    served = level_summary(1, results, time.perf_counter() - t0)
+                    server = timing_delta(clocks, await server_timing(client, run))
+                    served.update({"server": server} if server else {})
+                else:
+                    n = served["sent"] if served is not None else run.requests
+                    twin_run = run_twin_level(twin, 1, n, run.max_tokens, run.temperature, speculate is not False)
+            ratio = (served["throughput_tokens_per_s"] / twin_run["throughput_tokens_per_s"]
+                     if twin_run["throughput_tokens_per_s"] else None)
+            pairs.append({"pair": p, "variant": label or "default", "first": "served" if p % 2 == 0 else "twin",
+                          "served": served, "twin": {k: v for k, v in twin_run.items() if k != "token_ids"},
+                          "ratio": ratio, "equal_tokens": served["output_tokens"] == twin_run["output_tokens"]})
+            logger.info("twin pair %d %s: served %.2f tok/s, twin %.2f, ratio %s", p, label or "",
+                        served["throughput_tokens_per_s"], twin_run["throughput_tokens_per_s"], ratio)
+    medians = {}
+    for v in sorted({x["variant"] for x in pairs}):
+        ratios = [x["ratio"] for x in pairs if x["variant"] == v and x["ratio"] is not None]
+        medians[v] = percentile(ratios, 50)
+    return {"pairs": pairs, "median_ratio": medians}
 
 
 SPENT_KINDS = ("prompt", "draft", "catch-up", "tree", "plain")
@@ -326,10 +373,29 @@ def serve_markdown(result: dict) -> str:
                 cells.append("-" if k is None else f"{k['rounds']} / {k['seconds']:.2f} s "
                              f"({k['draft_seconds']:.2f}) / {_f(1e3 * k['seconds'] / k['tokens'] if k['tokens'] else None)}")
             lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    if result.get("twin"):
+        lines += ["", twin_markdown(result["twin"]).rstrip("\n")]
     errors = [e for s in result["summary"] for e in s["error_samples"]]
     if errors:
         lines += ["", "Errors seen: " + "; ".join(sorted(set(errors))[:5])]
     return "\n".join(lines) + "\n"
+
+
+def twin_markdown(twin: dict) -> str:
+    lines = ["Served against the in-process twin at concurrency 1 (bench/twin.py: the router's engine for this target "
+             "built from the app's config, the same requests; each pair's order alternates):", "",
+             "| pair | variant | first | served tok/s | twin tok/s | served / twin | twin prompt rounds ms | "
+             "twin other rounds ms | tokens equal |", "|---|---|---|---|---|---|---|---|---|"]
+    for x in twin["pairs"]:
+        t = x["twin"]
+        other = t["rounds"] - t["prompt_rounds"]
+        lines.append(f"| {x['pair']} | {x['variant']} | {x['first']} | {x['served']['throughput_tokens_per_s']:.2f} | "
+                     f"{t['throughput_tokens_per_s']:.2f} | {_f(x['ratio'], '{:.3f}')} | "
+                     f"{_f(1e3 * t['prompt_round_s'] / t['prompt_rounds'] if t['prompt_rounds'] else None)} | "
+                     f"{_f(1e3 * t['decode_round_s'] / other if other else None)} | "
+                     f"{'yes' if x['equal_tokens'] else 'no'} |")
+    medians = ", ".join(f"{v} {_f(r, '{:.3f}')}" for v, r in twin["median_ratio"].items())
+    return "\n".join(lines + ["", f"Median served / twin: {medians}."]) + "\n"
 
 
 def compared_levels(result: dict) -> list[tuple[int, float, float]]:

@@ -239,3 +239,40 @@ def test_bench_warms_up_each_variant_before_it_counts(tiny_app):
     assert all(w["latency"] > 0 and w["tokens"] >= 1 for w in result["warmup"])
     assert [(s["variant"], s["completed"]) for s in result["summary"]] == [("speculative", 2), ("plain", 2)]
     assert sorted(r["prompt_index"] for rows in result["requests"].values() for r in rows) == [0, 0, 1, 1]
+
+
+def test_bench_pairs_served_runs_with_its_in_process_twin(tiny_app, refs):
+    """`s2d bench serve --twin`: the router's engine for the target, built in the bench's process from the app's own
+    config, decodes exactly what the server does (fp64 greedy = target-only greedy, alone and batched), and each
+    pair runs the served level and the twin on the same requests, the order alternating."""
+    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+    from s2d_ray.bench.twin import build_twin, run_twin_level
+    from s2d_ray.errors import ConfigError
+    from s2d_ray.serve.app_config import AppConfig
+    from serve_helpers import API_KEY
+
+    app = AppConfig.model_validate(tiny_app.config)
+    with pytest.raises(ConfigError, match="tp_size 2"):
+        build_twin(app, "tiny-tp", PROMPTS)
+    with pytest.raises(ConfigError, match="no target 'nope'"):
+        build_twin(app, "nope", PROMPTS)
+    twin = build_twin(app, "tiny-a", PROMPTS[:3])
+    ref = refs["tiny-a"]
+    expected = [ref.greedy(ref.ids(p), 8) for p in PROMPTS[:3]]
+    batched = run_twin_level(twin, 2, 3, 8)  # two rows at once, the third joins when one ends
+    assert batched["token_ids"] == expected and batched["output_tokens"] == sum(map(len, expected))
+    assert run_twin_level(twin, 1, 3, 8, speculate=False)["token_ids"] == expected
+
+    load = LoadRun(tiny_app.url, "tiny-a", [1], requests=3, max_seconds=60, max_tokens=8, timeout=60,
+                   api_key=API_KEY, compare_plain=True, warmup=1, twin_pairs=2)
+    result = asyncio.run(run_load(load, PROMPTS[:3], twin))
+    pairs = result["twin"]["pairs"]
+    assert [(x["pair"], x["variant"], x["first"]) for x in pairs] == [
+        (0, "speculative", "served"), (0, "plain", "served"), (1, "speculative", "twin"), (1, "plain", "twin")]
+    for x in pairs:
+        assert x["served"]["completed"] == x["twin"]["requests"] == 3 and x["equal_tokens"], x
+        assert x["ratio"] > 0 and x["twin"]["speculate"] == (x["variant"] == "speculative")
+    assert pairs[0]["twin"]["num_accepted_draft_tokens"] > 0  # the speculative twin drafted (policy fixed, k 4)
+    assert pairs[1]["twin"]["num_draft_tokens"] == 0  # the plain one never did
+    assert set(result["twin"]["median_ratio"]) == {"speculative", "plain"}
+    assert "Median served / twin: plain" in serve_markdown(result)

@@ -1,0 +1,103 @@
+"""The in-process twin of a served level: the engine the router builds for one target (from the app's own config),
+the same prompts, max_tokens and temperature, decoded in this process with the router's continuous batching (a request
+joins between rounds while fewer than `concurrency` run; a client's next request arrives when its last one ended).
+
+Served tok/s over twin tok/s is what serving costs. Measured once before a served run, the twin is not a fair
+reference on a shared host: session 27's 2-vCPU VM ran the same twin at 41.8 tok/s and, 22 minutes later, 33.6 (the
+served level drifted with it). `s2d bench serve --twin` therefore alternates the two, served then twin then twin then
+served, so each ratio compares runs minutes apart, and reports every pair.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..build import Built, build_engine
+from ..core.engine import GenerationRequest
+from ..core.types import SamplingParams
+from ..errors import ConfigError
+from ..prompts import encode_prompt
+
+
+@dataclass
+class Twin:
+    built: Built
+    prompt_ids: list[list[int]]  # the bench's prompts, encoded as the router encodes a /v1/completions prompt
+    eos: tuple[int, ...]
+
+
+def build_twin(app, model: str, prompts: list[str]) -> Twin:
+    """`app`: the served AppConfig (serve/app_config.py); the engine is `app.engine_config(model)` built here, with the
+    router's `plain_steps`."""
+    names = [t.name for t in app.targets]
+    if model not in names:
+        raise ConfigError(f"--twin: the app serves no target {model!r}; it serves {names}")
+    spec = app.target(model)
+    if spec.tp_size > 1:
+        raise ConfigError(f"--twin compares a target decoded in one process; {model} has tp_size {spec.tp_size}")
+    built = build_engine(app.engine_config(model))
+    built.engine.plain_steps = spec.plain_steps
+    tok = built.target.tokenizer
+    eos = tuple(i for i in {tok.eos_token_id} if i is not None)
+    return Twin(built, [encode_prompt(tok, p, chat=False) for p in prompts], eos)
+
+
+def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int, temperature: float = 0.0,
+                   speculate: bool = True, first: int = 0) -> dict:
+    """Requests first..first+requests-1 (prompts taken in turn, as a served level takes them), `concurrency` clients
+    in a closed loop. tok/s = generated tokens / wall, as the served level counts them; rounds are split into those
+    that filled a prompt and the others (their ms by rows decoded), and the load-aware budget's account by kind."""
+    eng = twin.built.engine
+    params = SamplingParams(temperature=temperature)
+    n_prompts = len(twin.prompt_ids)
+    todo = [GenerationRequest(f"twin-{first + i}", twin.prompt_ids[(first + i) % n_prompts], max_tokens, params,
+                              twin.eos, speculate=speculate) for i in range(requests)]
+    spent_before = {k: list(v) for k, v in eng.budget.spent.items()} if eng.budget is not None else None
+    outputs: dict[str, list[int]] = {r.seq_id: [] for r in todo}
+    rounds: list[tuple[float, int, int]] = []  # (seconds, rows, prompt tokens that joined)
+    drafted = accepted = 0
+    free, t0 = concurrency, time.perf_counter()
+    while todo or eng.has_unfinished:
+        joined = 0
+        while todo and free > 0:
+            req = todo.pop(0)
+            eng.add_request(req)
+            free, joined = free - 1, joined + len(req.prompt_ids)
+        rows, start = len(eng.seqs), time.perf_counter()
+        outs = eng.step()
+        rounds.append((time.perf_counter() - start, rows, joined))
+        for o in outs:
+            outputs[o.seq_id] += o.new_tokens
+            free += o.finished
+            if o.finished and o.metrics:
+                drafted += o.metrics.get("num_draft_tokens", 0)
+                accepted += o.metrics.get("num_accepted_draft_tokens", 0)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(v) for v in outputs.values())
+    filled = [r for r in rounds if r[2]]
+    decode = [r for r in rounds if not r[2]]
+    by_rows = sorted({r[1] for r in decode})
+    return {
+        "concurrency": concurrency, "requests": requests, "speculate": speculate, "output_tokens": tokens,
+        "wall_seconds": wall, "throughput_tokens_per_s": tokens / wall if wall else 0.0, "rounds": len(rounds),
+        "num_draft_tokens": drafted, "num_accepted_draft_tokens": accepted,
+        "prompt_rounds": len(filled), "prompt_round_s": sum(r[0] for r in filled),
+        "decode_round_s": sum(r[0] for r in decode),
+        "decode_ms_by_rows": {k: 1e3 * sum(r[0] for r in decode if r[1] == k) / sum(1 for r in decode if r[1] == k)
+                              for k in by_rows},
+        "prompt_detail": [(round(r[0], 4), r[1], r[2]) for r in filled],  # (s, rows, prompt tokens that joined)
+        "spent": _spent_delta(spent_before, eng.budget.spent) if eng.budget is not None else None,
+        "token_ids": [outputs[f"twin-{first + i}"] for i in range(requests)],
+    }
+
+
+def _spent_delta(before: dict, after: dict) -> dict:
+    """The budget's account ([rounds, seconds, tokens, draft seconds] per kind) added by one level."""
+    out = {}
+    for kind, now in after.items():
+        was = before.get(kind, [0] * len(now))
+        delta = [a - b for a, b in zip(now, was)]
+        if delta[0]:
+            out[kind] = {"rounds": delta[0], "seconds": delta[1], "tokens": delta[2], "draft_seconds": delta[3]}
+    return out
