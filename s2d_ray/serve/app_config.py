@@ -193,6 +193,11 @@ class RouterOptions(DeploymentOptions):
     """The ingress deployment (OpenAI API, the decode loops); it holds tokenizers only, no weights."""
 
     max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent HTTP/handle requests one router accepts.")
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="Tokens a streamed chunk holds at least (vLLM's and SGLang's --stream-interval): "
+        "1 sends every round's tokens at once; more sends fewer chunks (less work for the router, the proxy and the "
+        "client, on the cores that decode) at a coarser inter-token latency. The first tokens and the last chunk "
+        "are never held.")
 
 
 class Limits(_Strict):

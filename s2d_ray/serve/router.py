@@ -37,7 +37,7 @@ from .openai_protocol import (
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
-from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler
+from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler, coalesced
 from .loaders import load_tokenizer, model_context
 from .replica import InProcessHandle, replica_id
 
@@ -384,7 +384,10 @@ class Router:
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
-        async with contextlib.aclosing(self._events(sched, gen)) as events:
+        events = self._events(sched, gen)
+        if self.cfg.router.stream_interval > 1:
+            events = coalesced(events, self.cfg.router.stream_interval)
+        async with contextlib.aclosing(events) as events:
             async for ev in events:
                 if ev.tokens and first_token is None:
                     first_token = time.perf_counter() - arrival

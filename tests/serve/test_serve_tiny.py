@@ -276,3 +276,37 @@ def test_bench_pairs_served_runs_with_its_in_process_twin(tiny_app, refs):
     assert pairs[1]["twin"]["num_draft_tokens"] == 0  # the plain one never did
     assert set(result["twin"]["median_ratio"]) == {"speculative", "plain"}
     assert "Median served / twin: plain" in serve_markdown(result)
+
+
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(serve_instance, tiny_family, refs):
+    """`router.stream_interval: 5`: streamed over HTTP and through the handle, every chunk between the first and the
+    last holds at least 5 tokens (the first goes at once), and the tokens, logprobs and text are target greedy's."""
+    from conftest import deploy, tiny_config, undeploy
+    from s2d_ray.serve import build_app
+    from s2d_ray.serve.openai_protocol import GenerateRequest
+
+    cfg = tiny_config(tiny_family, targets=[{"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64",
+                                             "num_cpus": 0.25}],
+                      router={"num_cpus": 0.25, "stream_interval": 5})
+    app = deploy(build_app(cfg), "tinystream", serve_instance, cfg)
+    try:
+        ref = refs["tiny-a"]
+        expected = ref.greedy(ref.ids(PROMPTS[2]), 30)
+        events = sse_events(f"{app.url}/v1/completions", {"model": "tiny-a", "prompt": PROMPTS[2], "max_tokens": 30,
+                                                          "temperature": 0, "logprobs": 1, "return_token_ids": True})
+        chunks = [e for e in events[:-1] if e["choices"]]
+        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        assert ids == expected and "".join(c["choices"][0]["text"] for c in chunks) == ref.text(expected)
+        assert all(len(c["choices"][0]["token_ids"]) >= 5 for c in chunks[1:-1]) and len(chunks) >= 3, chunks
+        assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(expected)
+        assert chunks[-1]["choices"][0]["finish_reason"] == ("stop" if len(expected) < 30 else "length")
+
+        async def stream():
+            req = GenerateRequest(model="tiny-a", prompt=PROMPTS[3], max_tokens=24)
+            return [c async for c in app.handle.options(stream=True).generate_stream.remote(req)]
+
+        got = asyncio.run(stream())
+        assert [t for c in got for t in c.token_ids] == ref.greedy(ref.ids(PROMPTS[3]), 24)
+        assert all(len(c.token_ids) >= 5 for c in got[1:-1])
+    finally:
+        undeploy("tinystream")

@@ -423,3 +423,48 @@ def test_models_of_one_process_share_its_model_thread_and_count_their_own_cpu():
     assert len(idents) == 1 and threading.get_ident() not in idents
     assert logits[0].shape[0] == 1 and recomputed == [0]
     assert 0 < own < 0.2 and after == own  # the draft's 0.2 s is not the target's
+
+
+def test_a_stream_interval_merges_events_but_never_holds_the_first_tokens_or_the_end():
+    """`router.stream_interval`: events are merged until they hold that many tokens; the first tokens go at once
+    (TTFT), the last event flushes whatever was held; tokens, logprobs and the end survive merging in order, and
+    closing the merged stream closes the request's own (which is what aborts its sequence)."""
+    from s2d_ray.serve.scheduler import Event, coalesced
+
+    closed = []
+
+    async def events(parts):
+        try:
+            for p in parts:
+                yield p
+        finally:
+            closed.append(True)
+
+    def ev(tokens, **kw):
+        return Event(list(tokens), logprobs=[f"lp{t}" for t in tokens], **kw)
+
+    async def collect(parts, n):
+        return [e async for e in coalesced(events(parts), n)]
+
+    parts = [ev([1, 2]), ev([3]), ev([4, 5]), ev([6]), ev([7, 8, 9, 10]), ev([11]), ev([], finished=True,
+                                                                                        finish_reason="length",
+                                                                                        metrics={"m": 1})]
+    out = asyncio.run(collect(parts, 3))
+    assert [e.tokens for e in out] == [[1, 2], [3, 4, 5], [6, 7, 8, 9, 10], [11]]
+    assert [e.logprobs for e in out][1] == ["lp3", "lp4", "lp5"]
+    assert (out[-1].finished, out[-1].finish_reason, out[-1].metrics) == (True, "length", {"m": 1})
+    assert not any(e.finished for e in out[:-1]) and closed == [True]
+    # Interval 1 changes nothing; an event with only prompt logprobs (echo) is the first chunk and goes at once.
+    assert [e.tokens for e in asyncio.run(collect(parts, 1))] == [p.tokens for p in parts]
+    first = Event([], prompt_logprobs=["p0"])
+    out = asyncio.run(collect([first, ev([1]), ev([2], finished=True, finish_reason="stop")], 4))
+    assert [(e.tokens, e.prompt_logprobs) for e in out] == [([], ["p0"]), ([1, 2], None)]
+
+    async def close_early():
+        stream = coalesced(events([ev([1]), ev([2]), ev([3])]), 2)
+        assert (await stream.__anext__()).tokens == [1]
+        await stream.aclose()
+
+    closed.clear()
+    asyncio.run(close_early())
+    assert closed == [True]
