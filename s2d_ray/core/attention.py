@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .cache import additive_mask
+from .kernel_times import least_times
 
 GROUPED = "s2d_grouped"
 # Up to this many stacked queries per KV head, scores are computed as K @ Q^T: BLAS reads the cache's K view (row
@@ -169,7 +170,9 @@ def sdpa_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
                     t0 = time.perf_counter()
                     _attend(qry, key, value, mask, head_dim ** -0.5, kernel)
                     best[kernel][i] = min(best[kernel][i], time.perf_counter() - t0)
-    return sum(best[True]) < 0.75 * sum(best[False])
+    t = least_times(f"attention {num_heads}/{num_kv_heads}x{head_dim} {dtype} slots{slots} "
+                    f"t{torch.get_num_threads()}", {"grouped": sum(best[False]), "sdpa": sum(best[True])})
+    return t["sdpa"] < 0.75 * t["grouped"]
 
 
 def plan_kv_groups(lengths: list[int], overhead: int | None = None) -> list[list[int]] | None:

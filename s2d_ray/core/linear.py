@@ -15,7 +15,8 @@ the copy is at most ONE_ROW_MAX_COPY times the weight's bytes. Other row counts 
 kernel inside MKL, so the several-row choice above is independent.
 
 Each choice is measured per weight shape, dtype and thread count when a stack asks for it (`packed_is_faster`,
-`one_row_is_faster`). Rounding differs from the stock kernel by ~1e-6 relative (the stock kernel is not
+`one_row_is_faster`), against the least time each candidate ever took on this machine (core/kernel_times.py: a
+process that loads beside busy neighbours keeps a quiet process's choice). Rounding differs from the stock kernel by ~1e-6 relative (the stock kernel is not
 batch-invariant either); fp64 is never packed.
 """
 
@@ -29,6 +30,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernel_times import least_times
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +120,11 @@ def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, t
     except RuntimeError as exc:
         logger.debug("one-row packed linear unavailable for %s: %s", dtype, exc)
         return False
-    logger.debug("linear %dx%d %s one row: stock %.3f ms, packed %.3f ms", out_features, in_features, dtype,
-                 best[False] * 1e3, best[True] * 1e3)
-    return best[True] < MIN_GAIN * best[False]
+    t = least_times(f"linear one-row {out_features}x{in_features} {dtype} t{threads}",
+                    {"stock": best[False], "packed": best[True]})
+    logger.debug("linear %dx%d %s one row: stock %.3f ms, packed %.3f ms (least seen: %.3f, %.3f)", out_features,
+                 in_features, dtype, best[False] * 1e3, best[True] * 1e3, t["stock"] * 1e3, t["packed"] * 1e3)
+    return t["packed"] < MIN_GAIN * t["stock"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,10 +151,16 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
     except RuntimeError as exc:  # a shape oneDNN does not take: the stock kernel
         logger.debug("packed linear unavailable for %s: %s", dtype, exc)
         return False
-    stock, packed_s = sum(best[False].values()), sum(best[True].values())
-    logger.debug("linear %dx%d %s: stock %.2f ms, packed %.2f ms (rows %s)", out_features, in_features, dtype,
-                 stock * 1e3, packed_s * 1e3, TIMED_ROWS)
-    return packed_s < MIN_GAIN * stock
+    t = least_times(several_key(out_features, in_features, dtype, threads),
+                    {"stock": sum(best[False].values()), "packed": sum(best[True].values())})
+    logger.debug("linear %dx%d %s: stock %.2f ms, packed %.2f ms (rows %s; least seen on this machine)", out_features,
+                 in_features, dtype, t["stock"] * 1e3, t["packed"] * 1e3, TIMED_ROWS)
+    return t["packed"] < MIN_GAIN * t["stock"]
+
+
+def several_key(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> str:
+    """packed_is_faster's entry in the machine's kernel times (core/kernel_times.py)."""
+    return f"linear several {out_features}x{in_features} {dtype} t{threads} rows{','.join(map(str, TIMED_ROWS))}"
 
 
 class PackedLinear(nn.Module):
