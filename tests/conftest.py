@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,10 @@ import torch
 # One intra-op thread: tiny tensors on a loaded 2-core machine otherwise pay milliseconds of OpenMP barrier waits
 # per op (measured: a [3, 6] softmax 1 us alone, 5 ms under load). Real-model tests raise it where they need it.
 torch.set_num_threads(1)
+
+# Kernel timings measured under the suite's load stay out of the user's cache (core/kernel_times.py): one file per
+# run, inherited by the Ray workers the serve tests start.
+os.environ.setdefault("S2D_KERNEL_TIMES", str(Path(tempfile.mkdtemp(prefix="s2d-kernel-times-")) / "times.json"))
 
 # Tests import `helpers` and other modules in tests/ by plain name, whatever the pytest import mode.
 _TESTS_DIR = str(Path(__file__).resolve().parent)
