@@ -219,13 +219,13 @@ def timing_delta(before: dict | None, after: dict | None) -> dict | None:
                 if "mean_replica_cpu_ms" in a and "mean_replica_cpu_ms" in b else 0.0
             out[role] = {"calls": calls, "call_ms": wall / calls, "replica_ms": replica / calls,
                          "overhead_ms": (wall - replica) / calls, "replica_cpu_ms": cpu / calls if cpu > 0 else None}
-    spent = _spent_delta((before.get("speculation") or {}).get("spent"), (after.get("speculation") or {}).get("spent"))
+    spent = spent_delta((before.get("speculation") or {}).get("spent"), (after.get("speculation") or {}).get("spent"))
     if spent:
         out["spent"] = spent
     return out
 
 
-def _spent_delta(before: dict | None, after: dict | None) -> dict | None:
+def spent_delta(before: dict | None, after: dict | None) -> dict | None:
     """Per kind of round (prompt, draft, catch-up, tree, plain: the budget's `spent`), what one level added: rounds,
     seconds, tokens."""
     if not after:

@@ -18,6 +18,7 @@ from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 from ..prompts import encode_prompt
+from .serve import spent_delta
 
 
 @dataclass
@@ -44,16 +45,16 @@ def build_twin(app, model: str, prompts: list[str]) -> Twin:
 
 
 def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int, temperature: float = 0.0,
-                   speculate: bool = True, first: int = 0) -> dict:
-    """Requests first..first+requests-1 (prompts taken in turn, as a served level takes them), `concurrency` clients
+                   speculate: bool = True) -> dict:
+    """`requests` requests (prompts taken in turn, as a served level takes them), `concurrency` clients
     in a closed loop. tok/s = generated tokens / wall, as the served level counts them; rounds are split into those
     that filled a prompt and the others (their ms by rows decoded), and the load-aware budget's account by kind."""
     eng = twin.built.engine
     params = SamplingParams(temperature=temperature)
     n_prompts = len(twin.prompt_ids)
-    todo = [GenerationRequest(f"twin-{first + i}", twin.prompt_ids[(first + i) % n_prompts], max_tokens, params,
-                              twin.eos, speculate=speculate) for i in range(requests)]
-    spent_before = {k: list(v) for k, v in eng.budget.spent.items()} if eng.budget is not None else None
+    todo = [GenerationRequest(f"twin-{i}", twin.prompt_ids[i % n_prompts], max_tokens, params, twin.eos,
+                              speculate=speculate) for i in range(requests)]
+    spent_before = eng.budget.spent_by_kind() if eng.budget is not None else None
     outputs: dict[str, list[int]] = {r.seq_id: [] for r in todo}
     rounds: list[tuple[float, int, int]] = []  # (seconds, rows, prompt tokens that joined)
     drafted = accepted = 0
@@ -87,17 +88,7 @@ def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int,
         "decode_ms_by_rows": {k: 1e3 * sum(r[0] for r in decode if r[1] == k) / sum(1 for r in decode if r[1] == k)
                               for k in by_rows},
         "prompt_detail": [(round(r[0], 4), r[1], r[2]) for r in filled],  # (s, rows, prompt tokens that joined)
-        "spent": _spent_delta(spent_before, eng.budget.spent) if eng.budget is not None else None,
-        "token_ids": [outputs[f"twin-{first + i}"] for i in range(requests)],
+        "spent": spent_delta(spent_before, eng.budget.spent_by_kind()) if eng.budget is not None else None,
+        "token_ids": [outputs[f"twin-{i}"] for i in range(requests)],
     }
 
-
-def _spent_delta(before: dict, after: dict) -> dict:
-    """The budget's account ([rounds, seconds, tokens, draft seconds] per kind) added by one level."""
-    out = {}
-    for kind, now in after.items():
-        was = before.get(kind, [0] * len(now))
-        delta = [a - b for a, b in zip(now, was)]
-        if delta[0]:
-            out[kind] = {"rounds": delta[0], "seconds": delta[1], "tokens": delta[2], "draft_seconds": delta[3]}
-    return out

@@ -191,6 +191,11 @@ class SpeculationBudget:
     def load_aware(self) -> bool:
         return self.costs is not None
 
+    def spent_by_kind(self) -> dict[str, dict[str, float]]:
+        """`spent` with named fields (rounds, seconds, tokens, draft_seconds) per kind of round, for stats."""
+        return {kind: {"rounds": r, "seconds": s, "tokens": t, "draft_seconds": d}
+                for kind, (r, s, t, d) in sorted(self.spent.items())}
+
     # --- measurements -------------------------------------------------------------------------------------------
     @staticmethod
     def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:

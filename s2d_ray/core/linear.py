@@ -16,8 +16,8 @@ kernel inside MKL, so the several-row choice above is independent.
 
 Each choice is measured per weight shape, dtype and thread count when a stack asks for it (`packed_is_faster`,
 `one_row_is_faster`), against the least time each candidate ever took on this machine (core/kernel_times.py: a
-process that loads beside busy neighbours keeps a quiet process's choice). Rounding differs from the stock kernel by ~1e-6 relative (the stock kernel is not
-batch-invariant either); fp64 is never packed.
+process that loads beside busy neighbours keeps a quiet process's choice). Rounding differs from the stock kernel by
+~1e-6 relative (the stock kernel is not batch-invariant either); fp64 is never packed.
 """
 
 from __future__ import annotations

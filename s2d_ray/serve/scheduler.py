@@ -283,12 +283,13 @@ class Event:
 async def coalesced(events: AsyncIterator[Event], min_tokens: int) -> AsyncIterator[Event]:
     """A request's events merged until they hold `min_tokens` tokens (vLLM's and SGLang's stream interval): fewer
     chunks for the router, the proxy and the client to carry, at a coarser inter-token latency. The first tokens
-    (TTFT), an error and the last event are never held. Closing this closes `events` (which aborts the sequence)."""
+    (TTFT) and the last event are never held (an error is raised by the request's own events, ending the stream at
+    once). Closing this closes `events` (which aborts the sequence)."""
     held, started = None, False
     async with contextlib.aclosing(events) as source:
         async for ev in source:
             ev, held = (held.then(ev) if held is not None else ev), None
-            if ev.finished or ev.error is not None or len(ev.tokens) >= min_tokens or (
+            if ev.finished or len(ev.tokens) >= min_tokens or (
                     not started and (ev.tokens or ev.prompt_logprobs is not None)):
                 started = True
                 yield ev
@@ -323,8 +324,7 @@ class TargetScheduler:
         if budget is not None and budget.load_aware:  # what the draft/plain choice is measured on
             out["speculation"] = {"scale": budget.scale, "rounds": budget.rounds, "measured": budget.measured(),
                                   "fill_ms_per_token": 1000.0 * budget.fill_seconds(),
-                                  "spent": {kind: {"rounds": r, "seconds": s, "tokens": t, "draft_seconds": d}
-                                            for kind, (r, s, t, d) in sorted(budget.spent.items())}}
+                                  "spent": budget.spent_by_kind()}
         return out
 
     @property
