@@ -198,6 +198,11 @@ class RouterOptions(DeploymentOptions):
         "1 sends every round's tokens at once; more sends fewer chunks (less work for the router, the proxy and the "
         "client, on the cores that decode) at a coarser inter-token latency. The first tokens and the last chunk "
         "are never held.")
+    whole_rounds: bool = Field(
+        True, description="A target placed in the router (with the draft placed there too, or no draft) runs each "
+        "round whole on the process's model thread while no other target of the router has work: one thread hop per "
+        "round instead of one per call, no batch queue. False: every round goes through the draft's and the "
+        "target's batch queues (what lets rounds of several targets merge into one draft forward).")
 
 
 class Limits(_Strict):

@@ -123,6 +123,11 @@ class DraftDeployment:
                 results[i] = Counted(props, sum(counts), self.replica, end - arrivals[i], cpu)
         return results  # type: ignore[return-value]
 
+    def propose_now(self, target: str, batch: list[DraftRequest], seen: list[int]) -> Counted:
+        """`propose` for a caller already on this process's model thread (a router's round run there whole, when
+        no other target's round could merge with it): the same forward and accounting, no queue and no hop."""
+        return self._propose_sync([target], [batch], [seen], [time.monotonic()])[0]
+
     def _stamped(self, target: str, batch: list[DraftRequest]) -> list[DraftRequest]:
         """The target's profile thresholds on each of its rows (rows that already carry thresholds keep them)."""
         th = self.thresholds.get(target)
@@ -130,6 +135,10 @@ class DraftDeployment:
 
     async def release(self, seq_id: str, affinity: str | None = None) -> None:
         await self.thread.run(self._release_sync, [seq_id])
+
+    def release_now(self, seq_id: str) -> None:
+        """`release` on the model thread (see propose_now)."""
+        self._release_sync([seq_id])
 
     def _release_sync(self, seq_ids: list[str]) -> None:
         for s in seq_ids:

@@ -58,6 +58,11 @@ class InProcessHandle:
     def __init__(self, obj: object) -> None:
         self._obj = obj
 
+    @property
+    def local(self) -> object:
+        """The object itself: a client whose whole round runs on the model thread calls its `*_now` methods."""
+        return self._obj
+
     def __getattr__(self, name: str) -> "_Method":
         return _Method(getattr(self._obj, name))
 

@@ -39,7 +39,7 @@ from .openai_protocol import (
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler, coalesced
 from .loaders import load_tokenizer, model_context
-from .replica import InProcessHandle, replica_id
+from .replica import InProcessHandle, process_model_thread, replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,16 @@ class Router:
         engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
         spec = cfg.target(name)
         engine.plain_steps = spec.plain_steps if spec.tp_size == 1 else 1
-        return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics)
+        # Rounds run whole on the process's model thread while no other target of this router has work (the
+        # draft and target must both be in this process; `router.whole_rounds`).
+        thread = process_model_thread(cfg.num_threads) if cfg.router.whole_rounds and self._in_process else None
+        return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics,
+                               thread, busy_elsewhere=lambda: self._busy_besides(name))
+
+    def _busy_besides(self, name: str) -> bool:
+        """Whether another target's scheduler has sequences or requests (its rounds could share the draft's forward
+        with this one's)."""
+        return any(s.engine.has_unfinished or s.waiting for n, s in self.schedulers.items() if n != name)
 
     # --- the Python handle API ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:

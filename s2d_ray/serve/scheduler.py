@@ -25,6 +25,7 @@ from ..core.types import DraftRequest, Proposal, ScoreRequest
 from ..errors import CapacityError, RequestError, S2DError, ServiceUnavailableError
 from .affinity_keys import sequence_key, split_call
 from .metrics import ServeMetrics
+from .replica import InProcessHandle, ModelThread
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,15 @@ class DraftClient:
         self.down_until = 0.0
         self.releases = Releases()
         self.times = CallTimes()
+        # The draft in this process (draft.placement: router), and whether the caller is on its model thread now
+        # (a round run there whole, `TargetScheduler`): then a call is a plain call, not a queued coroutine.
+        self.local = handle.local if isinstance(handle, InProcessHandle) else None
+        self.now = False
 
-    async def propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
+    def propose(self, drafts: list[DraftRequest]) -> list[Proposal] | Awaitable[list[Proposal]]:
+        return self._propose_now(drafts) if self.now else self._propose(drafts)
+
+    async def _propose(self, drafts: list[DraftRequest]) -> list[Proposal]:
         if time.monotonic() >= self.down_until:
             aff = self.affinity
             seen = [aff.expected(d.seq_id, d.tokens) for d in drafts]
@@ -166,23 +174,46 @@ class DraftClient:
                 keys = [aff.key_for(d.seq_id) for d in drafts]
                 parts = await _bounded(split_call(self.handle, keys, call), self.timeout_s)
             except Exception as exc:
-                logger.warning("draft failed (%s: %s); target-only for %.0f s", type(exc).__name__, exc,
-                               self.retry_after_s)
-                self.down_until = time.monotonic() + self.retry_after_s
+                self._down(exc)
             else:
-                self.times.add_slowest(time.perf_counter() - start, (reply for _, reply in parts))
-                results = aff.gathered(parts, len(drafts))
-                for d, p in zip(drafts, results):
-                    # A chain: the drafter ran every proposed token but the last through its first layers; a tree
-                    # (siblings are not a sequence): count only the prefix, which it surely holds.
-                    if p.tokens:
-                        aff.computed(d.seq_id, d.tokens + p.tokens[:-1] if p.parents is None else d.tokens)
-                return results
+                return self._answered(drafts, parts, start)
         self.on_fallback()
         return [Proposal.empty() for _ in drafts]
 
+    def _propose_now(self, drafts: list[DraftRequest]) -> list[Proposal]:
+        if time.monotonic() >= self.down_until:
+            seen = [self.affinity.expected(d.seq_id, d.tokens) for d in drafts]
+            start = time.perf_counter()
+            try:
+                reply = self.local.propose_now(self.target, drafts, seen)
+            except Exception as exc:
+                self._down(exc)
+            else:
+                return self._answered(drafts, [(list(range(len(drafts))), reply)], start)
+        self.on_fallback()
+        return [Proposal.empty() for _ in drafts]
+
+    def _down(self, exc: Exception) -> None:
+        logger.warning("draft failed (%s: %s); target-only for %.0f s", type(exc).__name__, exc, self.retry_after_s)
+        self.down_until = time.monotonic() + self.retry_after_s
+
+    def _answered(self, drafts: list[DraftRequest], parts: list[tuple[list[int], Any]],
+                  start: float) -> list[Proposal]:
+        aff = self.affinity
+        self.times.add_slowest(time.perf_counter() - start, (reply for _, reply in parts))
+        results = aff.gathered(parts, len(drafts))
+        for d, p in zip(drafts, results):
+            # A chain: the drafter ran every proposed token but the last through its first layers; a tree
+            # (siblings are not a sequence): count only the prefix, which it surely holds.
+            if p.tokens:
+                aff.computed(d.seq_id, d.tokens + p.tokens[:-1] if p.parents is None else d.tokens)
+        return results
+
     def release(self, seq_id: str) -> None:
         self.affinity.forget(seq_id)
+        if self.now:
+            _release_now(self.local, seq_id, "draft release")
+            return
         self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key_for(seq_id)),
                            "draft release")
 
@@ -197,8 +228,16 @@ class TargetClient:
         self.affinity = affinity or Affinity(None, f"target-{name}")
         self.releases = Releases()
         self.times = CallTimes()
+        # The target's model in this process (placement: router, tp_size 1), and whether the caller is on its model
+        # thread now (see DraftClient).
+        local = handle.local if isinstance(handle, InProcessHandle) else None
+        self.local = local if getattr(local, "inline", False) else None
+        self.now = False
 
-    async def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
+    def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor] | Awaitable[list[torch.Tensor]]:
+        return self._score_now(requests) if self.now else self._score(requests)
+
+    async def _score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
         aff = self.affinity
         seen = [aff.expected(r.seq_id, r.tokens) for r in requests]
         start = time.perf_counter()
@@ -213,6 +252,20 @@ class TargetClient:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
+        return self._answered(requests, parts, start)
+
+    def _score_now(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
+        seen = [self.affinity.expected(r.seq_id, r.tokens) for r in requests]
+        start = time.perf_counter()
+        try:
+            reply = self.local.score_now(requests, seen)
+        except Exception as exc:
+            raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
+        return self._answered(requests, [(list(range(len(requests))), reply)], start)
+
+    def _answered(self, requests: list[ScoreRequest], parts: list[tuple[list[int], Any]],
+                  start: float) -> list[torch.Tensor]:
+        aff = self.affinity
         self.times.add_slowest(time.perf_counter() - start, (reply for _, reply in parts))
         results = aff.gathered(parts, len(requests))
         for r, res in zip(requests, results):
@@ -224,8 +277,19 @@ class TargetClient:
 
     def release(self, seq_id: str) -> None:
         self.affinity.forget(seq_id)
+        if self.now:
+            _release_now(self.local, seq_id, "target release")
+            return
         self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key_for(seq_id)),
                            "target release")
+
+
+def _release_now(local: Any, seq_id: str, what: str) -> None:
+    """A release on the model thread, during a round run there whole (failures logged, like `Releases`)."""
+    try:
+        local.release_now(seq_id)
+    except Exception as exc:
+        logger.debug("%s failed: %s", what, exc)
 
 
 @dataclass
@@ -301,7 +365,8 @@ class TargetScheduler:
     """Admission, the round loop and per-request event queues for one target."""
 
     def __init__(self, name: str, engine: SpecEngine, max_running: int, max_waiting: int,
-                 metrics: ServeMetrics) -> None:
+                 metrics: ServeMetrics, thread: ModelThread | None = None,
+                 busy_elsewhere: Callable[[], bool] | None = None) -> None:
         self.name, self.engine = name, engine  # the engine owns its drafter and verifier clients
         self.max_running, self.max_waiting, self.metrics = max_running, max_waiting, metrics
         self.waiting: dict[str, GenerationRequest] = {}
@@ -310,10 +375,24 @@ class TargetScheduler:
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.rounds = RoundTimes()
+        self.thread, self.busy_elsewhere = thread, busy_elsewhere or (lambda: False)
+        self.clients = self._local_clients() if thread is not None else None
+        self.rounds_now = 0  # rounds run whole on the model thread
+
+    def _local_clients(self) -> list[DraftClient | TargetClient] | None:
+        """The engine's clients when its target and draft are all in this process (else None): a round can then run
+        whole on the model thread."""
+        verifier, drafter = self.engine.verifier, self.engine.drafter
+        drafter = getattr(drafter, "draft", drafter)  # a TreeDrafter wraps the draft client with free lookup
+        if not isinstance(verifier, TargetClient) or verifier.local is None:
+            return None
+        if isinstance(drafter, DraftClient):
+            return [verifier, drafter] if drafter.local is not None else None
+        return [verifier]  # no draft, or one that is plain code in this process (lookup)
 
     def timing(self) -> dict:
         """Round and per-call times (ms) for stats: where a served round spends what an in-process round does not."""
-        out = {"round": self.rounds.summary()}
+        out = {"round": {**self.rounds.summary(), "whole": self.rounds_now}}
         drafter = self.engine.drafter
         drafter = getattr(drafter, "draft", drafter)  # a TreeDrafter wraps the draft client with free lookup
         for role, client in (("target", self.engine.verifier), ("draft", drafter)):
@@ -369,7 +448,11 @@ class TargetScheduler:
 
     async def _round(self) -> None:
         try:
-            outputs = await self.engine.step_async()
+            if self.clients is not None and not self.busy_elsewhere():
+                outputs = await self.thread.run(self._round_now)
+                self.rounds_now += 1
+            else:
+                outputs = await self.engine.step_async()
         except Exception as exc:
             if not isinstance(exc, ServiceUnavailableError) or isinstance(exc, TargetTimeoutError):
                 self._fail(list(self.engine.seqs), exc)  # not a failed call: state may be half-committed
@@ -385,6 +468,18 @@ class TargetScheduler:
                 self.cancelled.add(out.seq_id)  # nobody listens any more
             self._send(out.seq_id, Event(out.new_tokens, out.finished, out.finish_reason, out.metrics,
                                          logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
+
+    def _round_now(self) -> list:
+        """The engine's round run whole on the model thread, the draft's and the target's calls plain calls: one hop
+        instead of one per call, and no batch queue. Only while no other target's round could share the draft's
+        forward (`busy_elsewhere`); the state is the same either way, so the next round may go either way."""
+        for client in self.clients:
+            client.now = True
+        try:
+            return self.engine.step()
+        finally:
+            for client in self.clients:
+                client.now = False
 
     async def _rounds_one_by_one(self) -> list:
         everyone, outputs = self.engine.seqs, []

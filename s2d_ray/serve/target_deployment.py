@@ -87,26 +87,58 @@ class TargetDeployment:
         """One call per router round; concurrent rounds (several routers) share one forward (split past
         max_live_sequences). seen: per request, tokens an earlier round verified; affinity: the routing key. Each
         call gets its logits and the tokens this replica recomputed for it."""
-        flat = [r for b in batches for r in b]
-        expected = [n for s in seen for n in s]
-        self.idle.touch([r.seq_id for r in flat])
-        self.num_calls += len(batches)
+        flat, expected = self._started(batches, seen)
         logits: list[torch.Tensor] = []
         recomputed: list[int] = []
         start, cpu = time.perf_counter(), self.backend.cpu_s
         for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
             out, counts = await self.backend.score(part, part_expected)
-            self.num_forwards += 1
             logits += out
             recomputed += counts
+        return self._answers(batches, logits, recomputed, time.perf_counter() - start, self.backend.cpu_s - cpu)
+
+    def score_now(self, batch: list[ScoreRequest], seen: list[int]) -> Counted:
+        """`score` for one caller already on this process's model thread (a router's round run there whole): the
+        same forwards and accounting, without the batch queue or a hop. Only a target whose model is in this
+        process has it (`inline`)."""
+        flat, expected = self._started([batch], [seen])
+        logits: list[torch.Tensor] = []
+        recomputed: list[int] = []
+        start, cpu = time.perf_counter(), time.thread_time()
+        for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
+            out, counts = score_counted(self.backend.verifier, part, part_expected)
+            logits += out
+            recomputed += counts
+        cpu = time.thread_time() - cpu
+        self.backend.cpu_s += cpu
+        return self._answers([batch], logits, recomputed, time.perf_counter() - start, cpu)[0]
+
+    @property
+    def inline(self) -> bool:
+        """Whether `score_now` can run: the whole model is in this process (not a TP group)."""
+        return isinstance(self.backend, LocalTarget)
+
+    def _started(self, batches: list[list[ScoreRequest]], seen: list[list[int]]) -> tuple[list, list[int]]:
+        flat = [r for b in batches for r in b]
+        self.idle.touch([r.seq_id for r in flat])
+        self.num_calls += len(batches)
+        self.num_forwards += len(chunks(flat, self.max_rows))
+        return flat, [n for s in seen for n in s]
+
+    def _answers(self, batches: list[list[ScoreRequest]], logits: list[torch.Tensor], recomputed: list[int],
+                 seconds: float, cpu: float) -> list[Counted]:
         self.recomputed += sum(recomputed)
-        seconds, cpu = time.perf_counter() - start, self.backend.cpu_s - cpu
         return [Counted(out, sum(counts), self.replica, seconds, cpu)
                 for out, counts in zip(split_like(logits, batches), split_like(recomputed, batches))]
 
     async def release(self, seq_id: str, affinity: str | None = None) -> None:
         self.idle.forget(seq_id)
         await self.backend.release([seq_id])
+
+    def release_now(self, seq_id: str) -> None:
+        """`release` on the model thread (see score_now)."""
+        self.idle.forget(seq_id)
+        release_all(self.backend.verifier, [seq_id])
 
     async def stats(self) -> dict:
         return {"replica": self.replica, "num_active": await self.backend.num_active(), "num_calls": self.num_calls,

@@ -66,6 +66,31 @@ def test_no_draft_deployment_and_greedy_equals_target_only(placed_app, tiny_fami
     assert r.json()["targets"]["tiny-a"]["deployment"]["replica"] != r.json()["router"]
 
 
+def test_a_placed_target_alone_runs_whole_rounds_on_the_model_thread(placed_app, tiny_family):
+    """tiny-b (placed, with the draft placed) decoding while tiny-a has no work: its rounds run whole on the model
+    thread (`router.whole_rounds`, the default), the output still target-only greedy, the draft still proposing, and
+    every sequence's KV (draft and target) released on that thread."""
+
+    def whole() -> int:
+        r = httpx.get(f"{placed_app.url}/health", timeout=HTTP_TIMEOUT)
+        assert r.status_code == 200, r.text
+        rounds = r.json()["targets"]["tiny-b"]["timing"]["round"]
+        return rounds["whole"], rounds["rounds"], r.json()
+
+    before, rounds_before, _ = whole()
+    ref = Reference(str(tiny_family["b"]), "float64")
+    drafted = 0
+    for prompt in PROMPTS:
+        r = post(f"{placed_app.url}/v1/completions", {"model": "tiny-b", "prompt": prompt, "max_tokens": 24,
+                                                     "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.text(ref.greedy(ref.ids(prompt), 24)), prompt
+        drafted += r.json()["metrics"]["speculative_decoding"]["num_draft_tokens"]
+    after, rounds_after, health = whole()
+    assert drafted > 0 and after - before == rounds_after - rounds_before > 0  # every round of both requests
+    assert health["draft"]["num_active"] == 0 and health["targets"]["tiny-b"]["deployment"]["num_active"] == 0
+
+
 def test_a_placed_target_takes_no_deployment_options():
     from s2d_ray.serve import AppConfig
 

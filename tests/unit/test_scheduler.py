@@ -7,7 +7,9 @@ The handles below have a Ray handle's shape (`handle.method.remote(...)` returns
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -19,16 +21,18 @@ from s2d_ray.core.policy import FixedK
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.errors import CapacityError, RequestError, ServiceUnavailableError
 from s2d_ray.serve.metrics import ServeMetrics
-from s2d_ray.serve.replica import Counted, recomputed_tokens, score_counted
+from s2d_ray.serve.replica import Counted, InProcessHandle, ModelThread, recomputed_tokens, score_counted
 from s2d_ray.serve.scheduler import DraftClient, TargetClient, TargetScheduler
 
 NEW_TOKENS = 12
 
 
-class LocalHandle:
-    """`handle.<method>.remote(*args)` -> an awaitable of `obj.<method>(*args)`; `gate` (when set) holds score calls."""
+class LocalHandle(InProcessHandle):
+    """`handle.<method>.remote(*args)` -> an awaitable of `obj.<method>(*args)`; `gate` (when set) holds score calls.
+    An InProcessHandle: a scheduler given a model thread may run rounds whole, calling obj's `*_now` methods."""
 
     def __init__(self, obj) -> None:
+        super().__init__(obj)
         self.obj = obj
         self.gate: asyncio.Event | None = None
         self.entered = asyncio.Event()
@@ -51,6 +55,7 @@ class DraftReplica:
 
     def __init__(self, drafter: SortedDrafter) -> None:
         self.drafter, self.fail, self.calls = drafter, False, 0
+        self.now_threads: set[int] = set()  # threads the `*_now` calls ran on
 
     def propose(self, target: str, drafts, seen, affinity=None):
         self.calls += 1
@@ -62,12 +67,22 @@ class DraftReplica:
     def release(self, seq_id: str, affinity=None) -> None:
         self.drafter.release(seq_id)
 
+    def propose_now(self, target: str, drafts, seen):
+        self.now_threads.add(threading.get_ident())
+        return self.propose(target, drafts, seen)
+
+    def release_now(self, seq_id: str) -> None:
+        self.now_threads.add(threading.get_ident())
+        self.release(seq_id)
+
 
 class TargetReplica:
     """The target deployment's call shape; records the sequence ids of every batch it scores."""
 
     def __init__(self, verifier: TargetVerifier) -> None:
         self.verifier, self.batches, self.fail = verifier, [], False
+        self.now_threads: set[int] = set()
+        self.inline = True  # score_now can run (the model is in this process)
         self.seen: list[dict[str, int]] = []  # per call: seq_id -> positions the router says earlier calls computed
 
     def score(self, requests, seen, affinity=None):
@@ -80,6 +95,14 @@ class TargetReplica:
 
     def release(self, seq_id: str, affinity=None) -> None:
         self.verifier.release(seq_id)
+
+    def score_now(self, requests, seen):
+        self.now_threads.add(threading.get_ident())
+        return self.score(requests, seen)
+
+    def release_now(self, seq_id: str) -> None:
+        self.now_threads.add(threading.get_ident())
+        self.release(seq_id)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +121,8 @@ def expected(target):
 
 class Setup:
     def __init__(self, target, max_running: int, max_waiting: int, speculate: bool = True,
-                 max_context: int | None = None, retry_after_s: float = 60.0, plain_steps: int = 1) -> None:
+                 max_context: int | None = None, retry_after_s: float = 60.0, plain_steps: int = 1,
+                 thread: ModelThread | None = None, busy_elsewhere=None) -> None:
         self.target_replica = TargetReplica(TargetVerifier(target))
         self.draft_replica = DraftReplica(SortedDrafter(noisy_draft(target)))
         self.target_handle = LocalHandle(self.target_replica)
@@ -109,7 +133,7 @@ class Setup:
                                 on_fallback=self._fallback)
         verifier = TargetClient(self.target_handle, "t", timeout_s=5.0)
         engine = SpecEngine(verifier, draft, policy=FixedK(3), max_context=max_context, plain_steps=plain_steps)
-        self.sched = TargetScheduler("t", engine, max_running, max_waiting, ServeMetrics())
+        self.sched = TargetScheduler("t", engine, max_running, max_waiting, ServeMetrics(), thread, busy_elsewhere)
 
     def _fallback(self) -> None:
         self.fallbacks += 1
@@ -468,3 +492,61 @@ def test_a_stream_interval_merges_events_but_never_holds_the_first_tokens_or_the
     closed.clear()
     asyncio.run(close_early())
     assert closed == [True]
+
+
+def test_rounds_run_whole_on_the_model_thread_while_no_other_target_has_work(target, expected):
+    """With the draft and the target in the router's process, a round runs whole on the model thread (the clients'
+    calls are plain calls there, releases too) while `busy_elsewhere` says no other target's round could merge with
+    it; otherwise through the queued calls. Either way, or alternating round by round (the state is one), every
+    output is the target's greedy continuation and every sequence's KV is freed."""
+    prompts, want = expected
+    thread = ModelThread(1)
+    model_ident = asyncio.run(thread.run(threading.get_ident))
+    for busy, whole in ((lambda: False, "all"), (lambda: True, "none"),
+                        (itertools.cycle([False, True]).__next__, "some")):
+        s = Setup(target, max_running=2, max_waiting=4, thread=thread, busy_elsewhere=busy)
+
+        async def main():
+            results = await asyncio.gather(*(collect(s.submit(f"r{i}", p)) for i, p in enumerate(prompts[:3])))
+            await s.settle()
+            return results
+
+        results = s.run(main)
+        assert [r[0] for r in results] == want[:3], whole
+        assert sum(ev.metrics["num_draft_tokens"] for _, ev in results) > 0  # the draft proposed
+        rounds, now = s.sched.rounds.rounds, s.sched.rounds_now
+        assert {"all": now == rounds, "none": now == 0, "some": 0 < now < rounds}[whole], (whole, now, rounds)
+        threads = s.draft_replica.now_threads | s.target_replica.now_threads
+        assert threads == (set() if whole == "none" else {model_ident})
+        assert s.sched.timing()["round"]["whole"] == now
+        assert s.num_active == (0, 0)  # released on the model thread or through the handles
+    thread.close()
+
+
+def test_a_whole_round_falls_back_without_the_draft_and_fails_like_a_queued_one(target, expected):
+    """A draft that raises in a whole round means target-only rounds (the same fallback as a failed call); a target
+    that raises fails the round, the one-by-one retry runs through the queued calls and fails each request with 503."""
+    prompts, want = expected
+    thread = ModelThread(1)
+    s = Setup(target, max_running=4, max_waiting=4, thread=thread)
+    s.draft_replica.fail = True
+
+    async def main():
+        return await collect(s.submit("a", prompts[0]))
+
+    tokens, last = s.run(main)
+    assert tokens == want[0] and s.fallbacks > 0 and last.metrics["num_draft_tokens"] == 0
+    assert s.sched.rounds_now > 0
+
+    s = Setup(target, max_running=4, max_waiting=4, thread=thread)
+    s.target_replica.fail = True
+
+    async def failing():
+        results = await asyncio.gather(*(collect(s.submit(f"r{i}", p)) for i, p in enumerate(prompts[:2])))
+        await s.settle()
+        return results
+
+    for tokens, ev in s.run(failing):
+        assert tokens == [] and isinstance(ev.error, ServiceUnavailableError)
+    assert s.sched.num_running == 0 and len(s.target_replica.batches) == 3  # the whole round, then one by one
+    thread.close()
