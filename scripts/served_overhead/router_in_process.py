@@ -4,7 +4,8 @@ prompts, 64 tokens greedy; prints tok/s and ms per kind of round. Against `inpro
 what the router's code costs; against served figures, what Ray, Serve and HTTP cost.
 TWO_THREADS=1 gives the draft and each target a model thread of their own (the layout before session 26).
 REPEAT=k decodes the prompts k times (one line each; the first pass is the cold one). IN_RAY=1 runs the same inside
-a Ray actor (a local Ray; no Serve, no HTTP): what a Ray worker process costs the router's forwards (session 27).
+a Ray actor (a local Ray; no Serve, no HTTP): what a Ray worker process costs the router's forwards (session 27). WHOLE=0 sets `router.whole_rounds: false` (every round
+through the batch queues, the path before session 28).
 Usage: python scripts/served_overhead/router_in_process.py YAML [s2d|ar] [N]"""
 import asyncio, json, os, sys, time
 
@@ -25,6 +26,8 @@ for t in args["targets"]:
         t.pop("num_cpus", None)
         targets.append({**t, "placement": "router"})
 args["targets"] = targets
+if os.environ.get("WHOLE") == "0":
+    args["router"] = {**args.get("router", {}), "whole_rounds": False}
 cfg = AppConfig.model_validate(args)
 if os.environ.get("TWO_THREADS"):
     import s2d_ray.serve.draft_deployment as dd
@@ -62,7 +65,8 @@ async def passes(router) -> list[dict]:
         spent = router.schedulers[model].timing().get("speculation", {}).get("spent") or {}
         rounds = {a: (v["rounds"] - before.get(a, {}).get("rounds", 0), v["seconds"] - before.get(a, {}).get("seconds", 0))
                   for a, v in spent.items()}
-        out.append({"mode": mode, "pass": k, "in_ray": bool(os.environ.get("IN_RAY")),
+        out.append({"mode": mode, "pass": k, "in_ray": bool(os.environ.get("IN_RAY")), "whole": cfg.router.whole_rounds,
+                    "whole_rounds": router.schedulers[model].rounds_now,
                     "two_threads": bool(os.environ.get("TWO_THREADS")), "tokens": toks, "seconds": round(dt, 2),
                     "tok_s": round(toks / dt, 2),
                     "ms_per_round": {a: [r, round(1e3 * s / max(r, 1), 1)] for a, (r, s) in rounds.items() if r}})
