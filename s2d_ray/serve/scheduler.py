@@ -382,20 +382,21 @@ class TargetScheduler:
     def _local_clients(self) -> list[DraftClient | TargetClient] | None:
         """The engine's clients when its target and draft are all in this process (else None): a round can then run
         whole on the model thread."""
-        verifier, drafter = self.engine.verifier, self.engine.drafter
-        drafter = getattr(drafter, "draft", drafter)  # a TreeDrafter wraps the draft client with free lookup
+        verifier, drafter = self.engine.verifier, self._draft_client()
         if not isinstance(verifier, TargetClient) or verifier.local is None:
             return None
         if isinstance(drafter, DraftClient):
             return [verifier, drafter] if drafter.local is not None else None
         return [verifier]  # no draft, or one that is plain code in this process (lookup)
 
+    def _draft_client(self) -> Any:
+        """The engine's drafter, unwrapped: a TreeDrafter wraps the draft client with free lookup."""
+        return getattr(self.engine.drafter, "draft", self.engine.drafter)
+
     def timing(self) -> dict:
         """Round and per-call times (ms) for stats: where a served round spends what an in-process round does not."""
         out = {"round": {**self.rounds.summary(), "whole": self.rounds_now}}
-        drafter = self.engine.drafter
-        drafter = getattr(drafter, "draft", drafter)  # a TreeDrafter wraps the draft client with free lookup
-        for role, client in (("target", self.engine.verifier), ("draft", drafter)):
+        for role, client in (("target", self.engine.verifier), ("draft", self._draft_client())):
             times = getattr(client, "times", None)
             if isinstance(times, CallTimes):
                 out[role] = times.summary()

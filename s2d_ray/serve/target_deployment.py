@@ -38,6 +38,14 @@ class LocalTarget:
         self.cpu_s += cpu
         return out
 
+    def score_now(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """`score` for a caller already on the model thread (a router's round run there whole)."""
+        cpu = time.thread_time()
+        try:
+            return score_counted(self.verifier, requests, expected)
+        finally:
+            self.cpu_s += time.thread_time() - cpu
+
     async def release(self, seq_ids: list[str]) -> None:
         await self.thread.run(release_all, self.verifier, seq_ids)
 
@@ -87,11 +95,10 @@ class TargetDeployment:
         """One call per router round; concurrent rounds (several routers) share one forward (split past
         max_live_sequences). seen: per request, tokens an earlier round verified; affinity: the routing key. Each
         call gets its logits and the tokens this replica recomputed for it."""
-        flat, expected = self._started(batches, seen)
         logits: list[torch.Tensor] = []
         recomputed: list[int] = []
         start, cpu = time.perf_counter(), self.backend.cpu_s
-        for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
+        for part, part_expected in self._parts(batches, seen):
             out, counts = await self.backend.score(part, part_expected)
             logits += out
             recomputed += counts
@@ -101,29 +108,28 @@ class TargetDeployment:
         """`score` for one caller already on this process's model thread (a router's round run there whole): the
         same forwards and accounting, without the batch queue or a hop. Only a target whose model is in this
         process has it (`inline`)."""
-        flat, expected = self._started([batch], [seen])
         logits: list[torch.Tensor] = []
         recomputed: list[int] = []
-        start, cpu = time.perf_counter(), time.thread_time()
-        for part, part_expected in zip(chunks(flat, self.max_rows), chunks(expected, self.max_rows)):
-            out, counts = score_counted(self.backend.verifier, part, part_expected)
+        start, cpu = time.perf_counter(), self.backend.cpu_s
+        for part, part_expected in self._parts([batch], [seen]):
+            out, counts = self.backend.score_now(part, part_expected)
             logits += out
             recomputed += counts
-        cpu = time.thread_time() - cpu
-        self.backend.cpu_s += cpu
-        return self._answers([batch], logits, recomputed, time.perf_counter() - start, cpu)[0]
+        return self._answers([batch], logits, recomputed, time.perf_counter() - start, self.backend.cpu_s - cpu)[0]
 
     @property
     def inline(self) -> bool:
         """Whether `score_now` can run: the whole model is in this process (not a TP group)."""
         return isinstance(self.backend, LocalTarget)
 
-    def _started(self, batches: list[list[ScoreRequest]], seen: list[list[int]]) -> tuple[list, list[int]]:
+    def _parts(self, batches: list[list[ScoreRequest]], seen: list[list[int]]) -> list[tuple[list, list[int]]]:
+        """The calls' requests and expected counts in forwards of at most max_live_sequences rows (counted)."""
         flat = [r for b in batches for r in b]
         self.idle.touch([r.seq_id for r in flat])
         self.num_calls += len(batches)
-        self.num_forwards += len(chunks(flat, self.max_rows))
-        return flat, [n for s in seen for n in s]
+        parts = list(zip(chunks(flat, self.max_rows), chunks([n for s in seen for n in s], self.max_rows)))
+        self.num_forwards += len(parts)
+        return parts
 
     def _answers(self, batches: list[list[ScoreRequest]], logits: list[torch.Tensor], recomputed: list[int],
                  seconds: float, cpu: float) -> list[Counted]:

@@ -3,7 +3,7 @@ against the engine's `total_seconds` (admission to finish, from the last chunk's
 engine's `time_to_first_token_seconds`, and the client's gap between requests. The 24 prompts of the serve bench, 64
 tokens greedy, REPS passes. Usage (an app serving local.yaml on :8000):
 QUESTIONS=.../question.jsonl python scripts/served_overhead/request_overhead.py"""
-import json, os, sys, time
+import json, os, time
 import httpx
 from s2d_ray.bench.serve import mixed_prompts
 from pathlib import Path
@@ -18,7 +18,7 @@ with httpx.Client(timeout=120) as client:
             body = {"model": "smollm2-135m-instruct", "prompt": p, "max_tokens": 64, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
-            first = None; metrics = None; n = 0
+            first = None; metrics = None
             with client.stream("POST", url, json=body) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
