@@ -17,6 +17,7 @@ from ..build import Built, build_engine
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
 from ..errors import ConfigError
+from ..gc_pauses import gc_pauses
 from ..prompts import encode_prompt
 from .serve import spent_delta
 
@@ -55,6 +56,8 @@ def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int,
     todo = [GenerationRequest(f"twin-{i}", twin.prompt_ids[i % n_prompts], max_tokens, params, twin.eos,
                               speculate=speculate) for i in range(requests)]
     spent_before = eng.budget.spent_by_kind() if eng.budget is not None else None
+    pauses = gc_pauses()
+    gc_before = (sum(pauses.count), sum(pauses.seconds))
     outputs: dict[str, list[int]] = {r.seq_id: [] for r in todo}
     rounds: list[tuple[float, int, int]] = []  # (seconds, rows, prompt tokens that joined)
     drafted = accepted = 0
@@ -88,6 +91,8 @@ def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int,
         "decode_ms_by_rows": {k: 1e3 * sum(r[0] for r in decode if r[1] == k) / sum(1 for r in decode if r[1] == k)
                               for k in by_rows},
         "prompt_detail": [(round(r[0], 4), r[1], r[2]) for r in filled],  # (s, rows, prompt tokens that joined)
+        "gc": {"collections": sum(pauses.count) - gc_before[0],
+               "ms": round(1e3 * (sum(pauses.seconds) - gc_before[1]), 1)},  # this process's pauses in the level
         "spent": spent_delta(spent_before, eng.budget.spent_by_kind()) if eng.budget is not None else None,
         "token_ids": [outputs[f"twin-{i}"] for i in range(requests)],
     }

@@ -17,6 +17,7 @@ from ..core.draft import SortedDraft, SortedDrafter
 from ..core.stack import limit_rows
 from ..core.types import DraftRequest, Proposal
 from ..dtypes import resolve_dtype
+from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .draft_autoscale import BUSY_METRIC
 from .draft_capacity import DraftCapacity, MergeQueue
@@ -64,6 +65,7 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, S
 @serve.deployment(name="draft")
 class DraftDeployment:
     def __init__(self, cfg: AppConfig) -> None:
+        gc_pauses()  # this process's collections, loading included
         set_threads(cfg.num_threads)
         self.thread = process_model_thread(cfg.num_threads)  # the router's, with draft.placement: router
         draft = load_shared_draft(cfg)
@@ -151,7 +153,7 @@ class DraftDeployment:
                 **self.capacity.stats(), "recomputed_tokens": self.recomputed,
                 "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
                 "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters),
-                "kernels": self.default.stack.kernels()}
+                "kernels": self.default.stack.kernels(), "gc": gc_pauses().snapshot()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Pushed to Serve's controller when the draft autoscales: `draft_autoscale.DraftBusyPolicy` reads it."""

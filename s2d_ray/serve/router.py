@@ -29,6 +29,7 @@ from ..errors import (
     CapacityError, ModelNotFoundError, RequestError, RequestTimeoutError, S2DError, ServiceUnavailableError,
 )
 from ..models import check_same_vocabulary
+from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .metrics import ServeMetrics
 from .choices import first_items, gather_all, merge
@@ -138,6 +139,7 @@ async def _await(response):
 @serve.ingress(app)
 class Router:
     def __init__(self, cfg: AppConfig, draft, targets: dict) -> None:
+        gc_pauses()  # this process's collections, loading included
         set_threads(1)
         self.cfg = cfg
         key = cfg.api_key.get_secret_value() if cfg.api_key else os.environ.get("S2D_API_KEY")
@@ -241,6 +243,7 @@ class Router:
             out["targets"][name]["deployment"] = dep
         out["draft"] = answers[-1] if self.cfg.uses_draft else None
         out["recomputed_tokens"] = self._recomputed()
+        out["gc"] = gc_pauses().snapshot()  # this process's (placed models included)
         return out
 
     def _recomputed(self) -> dict[str, dict[str, int]]:

@@ -13,6 +13,7 @@ from ..build import load_target, set_threads
 from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
+from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, release_all, replica_id,
@@ -69,6 +70,7 @@ class LocalTarget:
 @serve.deployment
 class TargetDeployment:
     def __init__(self, cfg: AppConfig, name: str) -> None:
+        gc_pauses()  # this process's collections, loading included
         spec, ecfg = cfg.target(name), cfg.engine_config(name)
         set_threads(cfg.num_threads)
         self.name = name
@@ -149,7 +151,7 @@ class TargetDeployment:
     async def stats(self) -> dict:
         return {"replica": self.replica, "num_active": await self.backend.num_active(), "num_calls": self.num_calls,
                 "num_forwards": self.num_forwards, "recomputed_tokens": self.recomputed,
-                "max_live_sequences": self.max_rows, **self.backend.describe()}
+                "max_live_sequences": self.max_rows, **self.backend.describe(), "gc": gc_pauses().snapshot()}
 
     async def check_health(self) -> None:
         """Raises when the model thread or any TP rank stops answering; drops state of long-idle sequences."""

@@ -39,6 +39,19 @@ def test_tp_target_gives_the_same_tokens_as_tp1(tiny_app, ref32):
         assert resp.metrics["num_draft_tokens"] > 0
 
 
+def test_every_replica_counts_its_collector_pauses(tiny_app):
+    """The router, the draft and each target replica count their process's collections from their __init__ on
+    (s2d_ray/gc_pauses.py): at least the full collection Serve runs before freezing the loaded heap, and that heap
+    frozen (the objects no full collection walks while serving)."""
+    stats = tiny_app.handle.stats.remote().result()
+    processes = {"router": stats["gc"], "draft": stats["draft"]["gc"],
+                 **{name: t["deployment"]["gc"] for name, t in stats["targets"].items()}}
+    for name, gc in processes.items():
+        assert set(gc) == {"gen0", "gen1", "gen2", "frozen"}, name
+        assert gc["gen2"]["collections"] >= 1 and gc["gen2"]["recent_ms"], (name, gc)
+        assert gc["frozen"] > 10_000, (name, gc)  # Ray, Serve, FastAPI, torch, transformers, the models
+
+
 def test_stop_string_ends_and_is_not_returned(tiny_app, ref64):
     prompt = "What is the capital of France?"
     full_text = ref64.text(ref64.greedy(ref64.ids(prompt), 24))
