@@ -72,9 +72,12 @@ class SortedDraft(nn.Module):
         if layers is None:
             layers = nn.ModuleList(list(parts.layers)[: spec.num_layers])
         self.layers = layers
-        self.parts = parts
+        # The base's parts with the draft's own layers: the base's other layers stay unreferenced, so a draft loaded
+        # on a base of its own (the draft deployment) holds the embedding, norm, head and its L layers, not the
+        # whole base model (for a 7B family, ~13 GB of layers it never runs).
+        self.parts = replace(parts, layers=layers)
         self.vocab_ids = vocab_ids
-        self.stack = LayerStack(parts, spec.exit_layers, layers=self.layers, vocab_ids=vocab_ids)
+        self.stack = LayerStack(self.parts, spec.exit_layers, layers=self.layers, vocab_ids=vocab_ids)
 
     @classmethod
     def cut(cls, base_model: nn.Module, base_source: str, num_layers: int, exit_layers: list[int] | None = None,

@@ -23,7 +23,7 @@ from .draft_autoscale import BUSY_METRIC
 from .draft_capacity import DraftCapacity, MergeQueue
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, recomputed_tokens, replica_id,
-    split_like, target_window,
+    return_freed_memory, split_like, target_window,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,9 +83,9 @@ class DraftDeployment:
         # The configured wait is the cap of an adaptive window (0 unless another caller's round is due soon).
         self.capacity = DraftCapacity(cfg.draft.batch_wait_timeout_s, cfg.draft.batch_wait_fraction)
         self.queue = MergeQueue(self.capacity, self._propose_batch, cfg.draft.max_batch_size)
-        logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s",
-                    cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds, sorted(self.by_target),
-                    sorted(self.thresholds))
+        logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s; %.0f MiB "
+                    "freed while loading returned", cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds,
+                    sorted(self.by_target), sorted(self.thresholds), return_freed_memory() / 2**20)
 
     async def propose(self, target: str, batch: list[DraftRequest], seen: list[int],
                       affinity: str | None = None) -> Counted:

@@ -4,6 +4,7 @@ replica's device, and cutting batched results back into per-call lists."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -179,3 +180,26 @@ def split_like(flat: list[Any], batches: list[list[Any]]) -> list[list[Any]]:
         out.append(flat[start : start + len(b)])
         start += len(b)
     return out
+
+
+def return_freed_memory() -> int:
+    """Hand memory freed while loading back to the OS (glibc's malloc_trim): loading converts and drops whole models
+    (the draft's base past its layers, dtype copies) whose pages glibc would otherwise keep in the process's RSS,
+    which is what a memory limit or an autoscaler sees. Returns RSS bytes released (0 where there is no glibc)."""
+    import ctypes
+    import ctypes.util
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+        before = rss()
+    except (OSError, AttributeError):  # not glibc, or no /proc: nothing to trim
+        return 0
+    if trim is None:
+        return 0
+    trim(0)
+    return max(0, before - rss())

@@ -17,7 +17,7 @@ from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, release_all, replica_id,
-    score_counted, split_like, target_window,
+    return_freed_memory, score_counted, split_like, target_window,
 )
 from .tp import TPGroup
 
@@ -89,7 +89,8 @@ class TargetDeployment:
         self.score.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
         self.num_calls = 0
         self.num_forwards = 0
-        logger.info("target %s ready (tp_size=%d)", name, spec.tp_size)
+        logger.info("target %s ready (tp_size=%d); %.0f MiB freed while loading returned", name, spec.tp_size,
+                    return_freed_memory() / 2**20)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def score(self, batches: list[list[ScoreRequest]], seen: list[list[int]],

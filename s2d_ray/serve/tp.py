@@ -25,7 +25,7 @@ from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..errors import S2DError
 from .app_config import TargetSpec
-from .replica import process_model_thread, release_all, score_counted
+from .replica import process_model_thread, release_all, return_freed_memory, score_counted
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ class TPWorker:
         )
         self.verifier = TargetVerifier(engine.module, cuda_graphs=False)  # all-reduces inside: not captured
         limit_rows(self.verifier, max_rows, max_slots)
-        return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid()}
+        # Every rank loaded the whole model and keeps its shard: the rest, freed, goes back to the OS.
+        return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid(),
+                "returned_bytes": return_freed_memory()}
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list, list[int]] | None:
         out = await self.thread.run(score_counted, self.verifier, requests, expected)
