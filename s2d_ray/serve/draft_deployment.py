@@ -83,9 +83,10 @@ class DraftDeployment:
         # The configured wait is the cap of an adaptive window (0 unless another caller's round is due soon).
         self.capacity = DraftCapacity(cfg.draft.batch_wait_timeout_s, cfg.draft.batch_wait_fraction)
         self.queue = MergeQueue(self.capacity, self._propose_batch, cfg.draft.max_batch_size)
+        returned = return_freed_memory()  # the base's layers past the draft's, freed once it was built
         logger.info("draft %s ready: exits=%s thresholds=%s, per-target exits=%s, per-target thresholds=%s; %.0f MiB "
                     "freed while loading returned", cfg.draft.source, draft.spec.exit_layers, draft.spec.thresholds,
-                    sorted(self.by_target), sorted(self.thresholds), return_freed_memory() / 2**20)
+                    sorted(self.by_target), sorted(self.thresholds), returned / 2**20)
 
     async def propose(self, target: str, batch: list[DraftRequest], seen: list[int],
                       affinity: str | None = None) -> Counted:

@@ -195,11 +195,9 @@ def return_freed_memory() -> int:
 
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        trim = ctypes.CDLL(name).malloc_trim
         before = rss()
-    except (OSError, AttributeError):  # not glibc, or no /proc: nothing to trim
-        return 0
-    if trim is None:
+    except (OSError, AttributeError):  # not glibc (no malloc_trim), or no /proc: nothing to trim
         return 0
     trim(0)
     return max(0, before - rss())

@@ -28,8 +28,8 @@ from ..build import assemble_engine, draft_base_source, load_profile, set_thread
 from ..errors import (
     CapacityError, ModelNotFoundError, RequestError, RequestTimeoutError, S2DError, ServiceUnavailableError,
 )
-from ..models import check_same_vocabulary
 from ..gc_pauses import gc_pauses
+from ..models import check_same_vocabulary
 from .app_config import AppConfig
 from .metrics import ServeMetrics
 from .choices import first_items, gather_all, merge

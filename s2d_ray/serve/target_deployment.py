@@ -89,8 +89,9 @@ class TargetDeployment:
         self.score.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
         self.num_calls = 0
         self.num_forwards = 0
+        returned = return_freed_memory()
         logger.info("target %s ready (tp_size=%d); %.0f MiB freed while loading returned", name, spec.tp_size,
-                    return_freed_memory() / 2**20)
+                    returned / 2**20)
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.002)
     async def score(self, batches: list[list[ScoreRequest]], seen: list[list[int]],

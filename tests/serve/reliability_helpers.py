@@ -53,16 +53,14 @@ def replica_memory_mib(app: str, deployment: str) -> float:
     so that before/after figures compare live memory, not allocator high-water marks."""
 
     def measure() -> float:
-        import ctypes
         import gc
 
         import psutil
 
+        from s2d_ray.serve.replica import return_freed_memory
+
         gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        return_freed_memory()
         return psutil.Process().memory_info().rss / 2**20
 
     return in_replica(app, deployment, measure)
