@@ -14,15 +14,16 @@ import torch
 from .config import EngineConfig, SpecConfig
 from .core.budget import SpeculationBudget, TreeShape
 from .core.costs import CostModel
-from .core.draft import DRAFT_CONFIG, Drafter, SortedDraft, SortedDrafter, default_exits
+from .core.draft import Drafter, SortedDraft, SortedDrafter, default_exits
 from .core.engine import SpecEngine
+from .core.kernels import Kernels
 from .core.lookup import PromptLookup, TreeDrafter
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
 from .core.target import TargetVerifier, Verifier
-from .dtypes import resolve_dtype
 from .errors import ConfigError, ModelLoadError
-from .machines import for_machine, machine_name
-from .models import LoadedModel, check_same_vocabulary, load_model
+from .hardware import for_machine, machine_name, resolve_dtype
+from .kernels import CpuKernels
+from .models import DRAFT_CONFIG, LoadedModel, check_same_vocabulary, default_cache_dir, load_draft, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,15 @@ def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:
     if dtype == cfg.target.dtype:
         return cfg
     return cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": dtype})})
+
+
+def make_kernels(cfg: EngineConfig | None = None) -> Kernels:
+    """The kernel backend the config (default: the defaults) asks for (core/kernels.py), injected into the verifier
+    and the draft: on the CPU, grouped attention and packed projections where they measured faster here; elsewhere
+    torch's own kernels. S2D_LINEAR_KERNEL and S2D_KERNEL_TIMES override the config's `linear_kernel` and
+    `kernel_times`."""
+    cfg = cfg if cfg is not None else EngineConfig()
+    return CpuKernels.from_settings(cfg.linear_kernel, cfg.kernel_times, default_cache_dir() / "kernel_times.json")
 
 
 def default_device() -> torch.device:
@@ -98,18 +108,19 @@ def draft_base_source(source: str) -> str:
 
 
 def build_draft(cfg: EngineConfig, target: LoadedModel, profile: dict | None,
-                base: LoadedModel | None = None) -> SortedDraft:
+                base: LoadedModel | None = None, kernels: Kernels | None = None) -> SortedDraft:
     """The sorted draft named by cfg.draft (exits from `profile`, see apply_exits), sharing the target's
-    embedding/head when its base is the target."""
+    embedding/head when its base is the target; its kernels `kernels` (default: make_kernels(cfg))."""
     src = cfg.draft.source
     base_source = draft_base_source(src)
     base = base or _base_for(base_source, cfg, target)
+    kernels = kernels if kernels is not None else make_kernels(cfg)
     directory = draft_dir(src)
     if directory is None:
         _, layers, exits = parse_cut(src)
-        draft = SortedDraft.cut(base.model, base_source, layers, exits or default_exits(layers))
+        draft = SortedDraft.cut(base.model, base_source, layers, exits or default_exits(layers), kernels=kernels)
     else:
-        draft = SortedDraft.load(directory, base.model)
+        draft = load_draft(directory, base.model, kernels)
     check_same_vocabulary(base.tokenizer, target.tokenizer, f"draft {src}", f"target {cfg.target.name}")
     return apply_exits(draft, cfg, profile)
 
@@ -227,34 +238,40 @@ class Built:
 
 
 def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | None, profile: dict | None,
-                    max_context: int | None, detokenize: Callable[[list[int]], str] | None) -> SpecEngine:
+                    max_context: int | None, detokenize: Callable[[list[int]], str] | None,
+                    plain_steps: int = 1) -> SpecEngine:
     """The one way an engine is made from its collaborators (in-process models, or the router's Ray clients): the
-    draft-length policy from the config and the profile, and a warning when the profile models S2D slower."""
+    draft-length policy from the config and the profile, and a warning when the profile models S2D slower.
+    `plain_steps`: greedy steps per verifier call in rounds without draft tokens (a served target sets it, since
+    each call costs a round trip)."""
     spec = effective_spec(cfg, profile)
     warn_if_modelled_slower(cfg, profile)
     drafter, budget = make_speculation(spec, drafter, profile)
     logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s", cfg.target.name, cfg.spec.mode,
                 spec.policy, spec.k, spec.width, spec.lookup)
     return SpecEngine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
-                      budget=budget)
+                      budget=budget, plain_steps=plain_steps)
 
 
-def build_engine(cfg: EngineConfig, target: LoadedModel | None = None) -> Built:
+def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_steps: int = 1) -> Built:
     cfg = with_resolved_dtype(cfg, default_device().type)
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     profile = load_profile(cfg)
-    draft = build_draft(cfg, target, profile) if cfg.spec.uses_draft_model else None
+    kernels = make_kernels(cfg)
+    draft = build_draft(cfg, target, profile, kernels=kernels) if cfg.spec.uses_draft_model else None
     if draft is not None:
         logger.info("draft %s: exits=%s thresholds=%s", cfg.draft.source, draft.spec.exit_layers,
                     draft.spec.thresholds)
     tok = target.tokenizer
     engine = assemble_engine(
-        cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads),
+        cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
+                            kernels=kernels),
         SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads)
         if draft is not None else None,
         profile,
         max_context=cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None),
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        plain_steps=plain_steps,
     )
     return Built(engine, target, draft, cfg)

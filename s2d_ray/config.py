@@ -9,13 +9,34 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .errors import ConfigError
+
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_DRAFT = "smollm2-135m-s2d"  # the committed sorted draft (s2d_ray/assets/drafts)
 MODE_PATTERN = re.compile(r"^(ar|s2d|lookup|exit:\d+)$")
-# The shared data directory (train/, spec_bench/, gsm8k_test_dev/ ...): defaults name files below it, and what we
-# commit records paths relative to it, never this machine's absolute paths.
-DATA_DIR = Path(os.environ.get("S2D_DATA_DIR") or "/work/shared/data")
+# The data directory (train/, spec_bench/, gsm8k_test_dev/ ...) is a setting, S2D_DATA_DIR, with no default: a
+# command that needs data and got no path names the flag and the variable to set. Profiles record data paths
+# relative to it, so they hold no machine's absolute paths.
+DATA_ENV = "S2D_DATA_DIR"
+DATA_DIR: Path | None = Path(os.environ[DATA_ENV]) if os.environ.get(DATA_ENV) else None
+TRAIN_DATA = "train/instructions.jsonl"  # instruction rows: training, self-distillation, calibration (held-out split)
+GSM8K_TEST = "gsm8k_test_dev/test_dev.jsonl"  # held-out GSM8K problems
+SPEC_BENCH_QUESTIONS = "spec_bench/question.jsonl"  # Spec-Bench's question file
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+def data_file(relative: str, flag: str | None = None) -> Path:
+    """`relative` under the data directory; without S2D_DATA_DIR, a ConfigError that says what to set or pass."""
+    if DATA_DIR is None:
+        raise ConfigError(f"no data directory: set {DATA_ENV} (it holds {relative})"
+                          + (f" or pass {flag}" if flag else ""))
+    return DATA_DIR / relative
+
+
+def optional_data_file(relative: str) -> Path | None:
+    """`relative` under the data directory if it is set and the file exists, else None (callers fall back)."""
+    path = DATA_DIR / relative if DATA_DIR is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 class _Strict(BaseModel):
@@ -130,6 +151,18 @@ class EngineConfig(_Strict):
     )
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode and verify forwards as CUDA graphs by shape "
                               "bucket (an eager GPU step is bound by kernel launches); no effect on the CPU.")
+    linear_kernel: Literal["auto", "several", "stock", "packed"] = Field(
+        "auto", description="CPU projections: `auto` runs weights packed once where that measured faster per shape "
+        "(oneDNN for several rows, MKL for one row), `several` the several-row choice only, `stock` torch's "
+        "F.linear everywhere, `packed` every projection packed both ways where the dtype allows. $S2D_LINEAR_KERNEL "
+        "overrides it."
+    )
+    kernel_times: str | None = Field(
+        None, description="File keeping the least time each CPU kernel candidate took on this machine, which "
+        "load-time kernel choices decide on (a replica loading beside busy neighbours keeps a quiet process's "
+        "choice); default <cache dir>/kernel_times.json, `off`: this process's measurement alone. "
+        "$S2D_KERNEL_TIMES overrides it."
+    )
 
 
 class SamplingConfig(_Strict):

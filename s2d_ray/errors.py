@@ -1,16 +1,19 @@
-"""One small error hierarchy: every failure a user can cause maps to one of these, with a message that says the fix."""
+"""One small error hierarchy: every failure a user can cause maps to one of these, with a message that says the fix.
 
+The errors the core raises live in core/errors.py (the core imports nothing from outside itself) and are re-exported
+here, so `from s2d_ray.errors import X` names every class of the one hierarchy.
+"""
 
-class S2DError(Exception):
-    """Base class: the CLI prints these as one line, the server maps them to 4xx."""
+from .core.errors import CapacityError, ModelLoadError, RequestError, S2DError
+
+__all__ = [
+    "CapacityError", "ChecksumError", "ConfigError", "ModelLoadError", "ModelNotFoundError", "RequestError",
+    "RequestTimeoutError", "S2DError", "ServiceUnavailableError", "TokenizerMismatchError",
+]
 
 
 class ConfigError(S2DError, ValueError):
     """A configuration value is invalid."""
-
-
-class ModelLoadError(S2DError):
-    """A model source could not be resolved or loaded (missing files, checksum, architecture)."""
 
 
 class ChecksumError(ModelLoadError):
@@ -19,18 +22,6 @@ class ChecksumError(ModelLoadError):
 
 class TokenizerMismatchError(ModelLoadError):
     """Draft and target do not share a vocabulary, so draft tokens would mean different text."""
-
-
-class RequestError(S2DError, ValueError):
-    """A generation request is invalid (empty prompt, too long, bad sampling values); `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class CapacityError(S2DError):
-    """The server is at its configured limit (maps to HTTP 429)."""
 
 
 class ModelNotFoundError(RequestError):

@@ -1,8 +1,8 @@
 """Pauses of Python's cyclic garbage collector in a serving process, counted for stats() and /health.
 
 A full (generation 2) collection walks every tracked object of the process: a replica holding Ray, Serve, FastAPI,
-transformers and torch has ~470 k of them, and one walk took 0.2-0.55 s on the 2-vCPU host (BENCHMARKS.md §0 session
-29), in the middle of whichever round allocated the object that triggered it. Serve freezes a replica's heap once
+transformers and torch has hundreds of thousands of them, so one walk can hold a round for a large fraction of a
+second, in the middle of whichever round allocated the object that triggered it. Serve freezes a replica's heap once
 its __init__ returns (RAY_SERVE_FREEZE_GC_ON_STARTUP, on by default in Ray 2.60), so collections while serving walk
 only what was made since; these counters show whether that holds (`frozen`, and the last full collections' pauses).
 """

@@ -1,11 +1,17 @@
-"""Turning user text into target token ids: plain prompts, chat-templated prompts, prompt files."""
+"""Turning user text into target token ids: plain prompts, chat-templated prompts, prompt files, and the
+Spec-Bench question files that benchmarks and cost measurements draw their prompts from."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import RequestError
+from .errors import ConfigError, RequestError
+
+TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")  # Spec-Bench's six
+MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                                 "humanities"})
 
 
 def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
@@ -47,3 +53,65 @@ def read_prompt_file(path: Path) -> list[str]:
     if not prompts:
         raise RequestError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+# --- Spec-Bench question files ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str  # the row's own category (MT-Bench has eight)
+    task: str  # one of Spec-Bench's six tasks
+    turns: tuple[str, ...]
+
+
+def task_of(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+
+def read_questions(path: Path) -> list[Question]:
+    if not path.exists():
+        raise ConfigError(f"questions file {path} does not exist (pass --questions PATH)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turns = tuple(str(t) for t in row["turns"])
+            rows.append(Question(row["question_id"], str(row["category"]), task_of(str(row["category"])), turns))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}:{n}: not a Spec-Bench row with question_id, category, turns ({exc})") from None
+        if not turns:
+            raise ConfigError(f"{path}:{n}: `turns` is empty")
+    return rows
+
+
+def select_questions(rows: list[Question], per_category: int | None, tasks: list[str] | None = None) -> list[Question]:
+    """Evenly spaced picks per task (so MT-Bench's eight sub-categories all appear), tasks interleaved in order."""
+    by_task: dict[str, list[Question]] = {}
+    for q in rows:
+        by_task.setdefault(q.task, []).append(q)
+    wanted = tasks or [t for t in TASKS if t in by_task] + sorted(set(by_task) - set(TASKS))
+    unknown = [t for t in wanted if t not in by_task]
+    if unknown:
+        raise ConfigError(f"no questions for categories {unknown}; the file has {sorted(by_task)}")
+    picked = {}
+    for t in wanted:
+        qs = by_task[t]
+        n = len(qs) if per_category is None else min(per_category, len(qs))
+        picked[t] = [qs[(i * len(qs)) // n] for i in range(n)]
+    out = []
+    for i in range(max(len(v) for v in picked.values())):
+        out.extend(picked[t][i] for t in wanted if i < len(picked[t]))
+    return out
+
+
+def sample_prompts(tokenizer, questions: Path | None, n: int) -> list[list[int]]:
+    """`n` chat-templated first turns of Spec-Bench questions from different tasks; without a question file,
+    synthetic text (for measurements whose cost depends on the prompts' length, not on their words)."""
+    if questions is not None:
+        texts = [q.turns[0] for q in select_questions(read_questions(questions), 1)][:n]
+    else:
+        texts = [f"Explain, step by step, how a speculative decoder verifies draft tokens (variant {i})."
+                 for i in range(n)]
+    return [encode_messages(tokenizer, [{"role": "user", "content": t}]) for t in texts]

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The shared draft's capacity (BENCHMARKS.md §3c): serve deployments/draft_capacity.yaml on this machine, run
-# `s2d bench draft-capacity` against it (1, 2, 3 targets at rising concurrency), stop the app.
-#   /work/notes/quiet.sh 900 scripts/draft_capacity.sh OUT_DIR [extra bench args, e.g. --concurrency 1,2,4]
+# The shared draft's capacity (BENCHMARKS.md, draft capacity): serve deployments/draft_capacity.yaml on this machine,
+# run `s2d bench draft-capacity` against it (1, 2, 3 targets at rising concurrency), stop the app. It times things:
+# run it on an otherwise idle machine.
+#   scripts/draft_capacity.sh OUT_DIR [extra bench args, e.g. --concurrency 1,2,4]
 # Run from the repository root; PYTHON (default .venv/bin/python) runs both; CONFIG (default
-# deployments/draft_capacity.yaml) is the app served.
+# deployments/draft_capacity.yaml) is the app served; the prompts are Spec-Bench's under S2D_DATA_DIR (or pass
+# --questions PATH).
 set -u
 out=${1:?usage: scripts/draft_capacity.sh OUT_DIR [bench args]}
 shift

@@ -1,7 +1,7 @@
 # Sourced by scripts/draft_scale.sh and scripts/draft_exits.sh (from the repository root, with `run` set to RUN_DIR):
-# the CLI, the targets and the stage-6 recipe's flags that fix the packed rows, their order and the KD cache, so that
-# the exit variants train on exactly what stage 6 trained on (a cache built for other settings is refused).
-py=${PYTHON:-/work/main/.venv/bin/python}
+# the CLI, the targets and the recipe's flags that fix the packed rows, their order and the KD cache, so that every
+# draft trained on RUN_DIR sees exactly the same rows (a KD cache built for other settings is refused).
+py=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
 threads=${THREADS:-1}
 read -r -a targets <<< "${TARGETS:-smollm2-135m-instruct smollm2-135m-gsm8k}"
 s2d() { PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$py" -m s2d_ray.cli -v "$@"; }

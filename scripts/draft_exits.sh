@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
-# Issue 16, item 2 ("exits that differ"): variants of the sorted draft, each trained STEPS steps from the same start on
-# the same rows (the same KD cache), then calibrated for every target: agreement and top-4 per exit, cost per exit
+# Exit layouts and loss weightings compared: variants of the sorted draft, each trained STEPS steps from the same start
+# on the same rows (the same KD cache), then calibrated for every target: agreement and top-4 per exit, cost per exit
 # token, and the modelled speed of the adaptive draft, in one table (RUN_DIR/exits/summary.md). Run it after
-# scripts/draft_scale.sh (it reuses that RUN_DIR's data, held-out paths and KD cache), alone on the machine: it times.
+# scripts/draft_scale.sh (it reuses that RUN_DIR's data, held-out paths and KD cache), on an otherwise idle machine:
+# calibration times things.
 #   scripts/draft_exits.sh RUN_DIR [VARIANT...]     (default: base weights distill deep)
 # Variants: base     LAYERS (6) layers, EXITS (2,4,6), equal loss weights (the recipe as it is: the control)
 #           weights  the same with loss weights WEIGHTS (0.5,1,2: the deep exit first)
 #           distill  the same with --exit-distill 0.5 (shallow exits also learn from the detached deepest one)
 #           deep     DEEP_LAYERS (9) layers, DEEP_EXITS (3,6,9), grown from INIT (its trained layers, then the
 #                    target's next ones)
-# Environment: INIT (RUN_DIR/drafts/stage5 when it exists, else the committed draft), STEPS (1000), LR (3e-4, the
-# recipe's peak; 3e-5 continues a finished draft at its final rate), OUT (RUN_DIR/exits: one folder per STEPS/LR
-# setting), CAL_DTYPE (bfloat16), and PYTHON, THREADS, TARGETS, DEVICE, AUTOCAST, PIDFILE as in draft_scale.sh. Every
-# stage resumes.
-# Dry run with tiny random targets: docs/TRAINING.md, "Scaling up".
+# Environment: INIT (RUN_DIR/draft when it exists, else the committed draft), STEPS (1000), LR (3e-4, the recipe's
+# peak; 3e-5 continues a finished draft at its final rate), OUT (RUN_DIR/exits: one folder per STEPS/LR setting),
+# CAL_DTYPE (bfloat16), and PYTHON, THREADS, TARGETS, DEVICE, AUTOCAST as in draft_scale.sh. Every step resumes.
+# Dry run with tiny random targets: docs/TRAINING.md.
 set -euo pipefail
-[[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
 cd "$(dirname "$0")/.."
 run=${1:?RUN_DIR}; shift
 variants=("$@"); [[ ${#variants[@]} -gt 0 ]] || variants=(base weights distill deep)
 source scripts/draft_common.sh
-init=${INIT:-}; [[ -z $init && -f $run/drafts/stage5/MANIFEST.json ]] && init=$run/drafts/stage5
+init=${INIT:-}; [[ -z $init && -f $run/draft/MANIFEST.json ]] && init=$run/draft
 init=${init:-s2d_ray/assets/drafts/smollm2-135m-s2d}
 steps=${STEPS:-1000}
 for v in "${variants[@]}"; do

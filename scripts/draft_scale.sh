@@ -1,32 +1,32 @@
 #!/usr/bin/env bash
-# Issue 16's pipeline for a multi-target sorted draft: both targets' self-distilled responses, their held-out paths,
-# then multi-target KD from a top-k cache. Every stage resumes: after any interruption (kill -9 included) rerun the
-# SAME command; finished chunks / cache parts / checkpoints are kept. Run it as a background job on a shared
-# machine (setsid nice -n 19 ..., pid appended to /tmp/s2d-train.pids so benchmarks can pause it).
+# The training pipeline of a multi-target sorted draft: both targets' self-distilled responses to the training
+# instructions, their held-out paths, then multi-target KD from a top-k logit cache, calibration and Spec-Bench.
+# Every step resumes: after any interruption (kill -9 included) rerun the SAME command; finished chunks, cache parts
+# and checkpoints are kept. RUN_DIR (absolute, or relative to the repository root) holds everything it writes:
+#   sd-multi/ (responses), heldout/ (paths), kdcache/, train/ (checkpoint, metrics.jsonl), draft/ (the trained draft
+#   with its calibration/), bench/<target>/ (Spec-Bench), resume/ (an exported draft to continue from).
+#
 #   scripts/draft_scale.sh RUN_DIR [gen|heldout|train|all]      (default: all, in that order)
-#   scripts/draft_scale.sh RUN_DIR export   the latest checkpoint as RUN_DIR/resume (a bf16 draft, ~50 MB: commit
-#     it with the data), from which `train` continues on a machine without RUN_DIR/stage5 (a new checkout). The KD
-#     cache is built lazily in the order steps visit the rows, so a moved run rebuilds only the part still ahead.
-# Environment: PYTHON (default /work/main/.venv/bin/python), THREADS (1), STEPS (10000: about one epoch of the
-# ~2.7M response tokens at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS ("smollm2-135m-instruct
-# smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty: none), DATA and NUM (the
-# instruction file and how many of its train instructions; default all), LAYERS and EXITS (6; 2,4,6),
-# KD_CACHE_DTYPE (auto: bfloat16 where the CPU has native bf16, ~2x faster there, else float32), AUTOCAST (auto:
-# the draft's steps under bf16 autocast where bf16 is the fast path, ~2x a step on an AVX512-BF16 CPU; bfloat16:
-# always; empty: float32), DEVICE (auto: cuda when torch sees a GPU), CKPT_EVERY (25), TIME_LIMIT (seconds: train stops checkpointed and exports; see
-# scripts/gpu_draft_data.sh train; device and checkpoint interval may change on resume), PIDFILE (append this
-# script's pid: started with setsid it leads its process group, so `kill -STOP -- -PID` pauses every stage, as
-# /work/notes/quiet.sh does).
-#   scripts/draft_scale.sh RUN_DIR finish   after `train`: calibrate RUN_DIR/drafts/stage5 for every target in each
-#     of CAL_DTYPES ("bfloat16 float32"; profiles in its calibration/, named as --calibration auto looks them up),
-#     then Spec-Bench per target in BENCH_DTYPE (auto: bf16 where it is the fast path), PER_CATEGORY (2) questions a
+#   scripts/draft_scale.sh RUN_DIR finish   after `train`: calibrate RUN_DIR/draft for every target in each of
+#     CAL_DTYPES ("bfloat16 float32"; profiles in its calibration/, named as --calibration auto looks them up), then
+#     Spec-Bench per target in BENCH_DTYPE (auto: bf16 where it is the fast path), PER_CATEGORY (2) questions a
 #     category, 128 tokens: ar, transformers' generate and prompt lookup, then each fixed exit and the adaptive exits
 #     under CHAIN_SHAPE (chain+auto) and under TREE_SHAPE (tree4+lookup+auto+n24, what the committed profiles run),
-#     side by side (RUN_DIR/bench/<target>): the "adaptive beats every fixed exit" check; BENCH_ARGS: more
-#     `s2d bench spec` flags. Run it alone on the machine (under quiet.sh): it times things.
-# Dry run with tiny random models (seconds): see docs/TRAINING.md, "Scaling up".
+#     side by side (RUN_DIR/bench/<target>): whether the adaptive exits beat every fixed exit; BENCH_ARGS: more
+#     `s2d bench spec` flags. It times things: run it on an otherwise idle machine.
+#   scripts/draft_scale.sh RUN_DIR export   the latest checkpoint as RUN_DIR/resume (a bf16 draft, ~1/6 of a
+#     checkpoint), from which `train` continues on a machine without the checkpoint. The KD cache is built lazily in
+#     the order steps visit the rows, so a moved run rebuilds only the part still ahead.
+# Environment: PYTHON (default .venv/bin/python if present, else python3), THREADS (1), STEPS (10000: about one epoch
+# of the responses to the full instruction file at 2 x 256 per step), GEN_DTYPE (bfloat16), TARGETS
+# ("smollm2-135m-instruct smollm2-135m-gsm8k"; the first is the draft's base), INIT (the committed draft; empty:
+# none), DATA and NUM (the instruction file, default $S2D_DATA_DIR/train/instructions.jsonl, and how many of its train
+# instructions; default all), LAYERS and EXITS (6; 2,4,6), KD_CACHE_DTYPE (auto: bfloat16 where the CPU has native
+# bf16, else float32), AUTOCAST (auto: the draft's steps under bf16 autocast where bf16 is the fast path; bfloat16:
+# always; empty: float32), DEVICE (auto: cuda when torch sees a GPU), CKPT_EVERY (25), TIME_LIMIT (seconds: `train`
+# stops checkpointed and exports; device and checkpoint interval may change on resume), S2D_DATA_DIR.
+# Dry run with tiny random models (seconds): see docs/TRAINING.md.
 set -euo pipefail
-[[ -n ${PIDFILE:-} ]] && echo $$ >> "$PIDFILE"
 cd "$(dirname "$0")/.."
 run=${1:?RUN_DIR}; what=${2:-all}
 source scripts/draft_common.sh
@@ -45,19 +45,19 @@ if [[ $what == heldout || $what == all ]]; then
   done
 fi
 if [[ $what == train || $what == all || $what == export ]]; then
-  # The checkpoint when this machine has it; else the draft a run exported to carry it here (stage `export`).
-  resume=(); [[ -f $run/stage5/checkpoint.pt || -f $run/resume/MANIFEST.json ]] && resume=(--resume)
+  # The checkpoint when this machine has it; else the draft a run exported to carry it here (step `export`).
+  resume=(); [[ -f $run/train/checkpoint.pt || -f $run/resume/MANIFEST.json ]] && resume=(--resume)
   [[ -f $run/resume/MANIFEST.json ]] && resume+=(--resume-draft "$run/resume")
   from=(); [[ -n $init ]] && from=(--init "$init")
   limit=(); [[ -n ${TIME_LIMIT:-} ]] && limit=(--time-limit "$TIME_LIMIT")
-  save=$run/drafts/stage5; export=()
+  save=$run/draft; export=()
   [[ $what == export ]] && { save=$run/resume; resume=(); export=(--export-only); }
-  s2d train-draft "${recipe[@]}" --out "$run/stage5" --save "$save" "${from[@]}" --layers "${LAYERS:-6}" \
+  s2d train-draft "${recipe[@]}" --out "$run/train" --save "$save" "${from[@]}" --layers "${LAYERS:-6}" \
     --exits "${EXITS:-2,4,6}" --steps "${STEPS:-10000}" --warmup 0.02 --val-every 500 \
     --ckpt-every "${CKPT_EVERY:-25}" "${resume[@]}" "${limit[@]}" "${export[@]}"
 fi
 if [[ $what == finish ]]; then
-  draft=$run/drafts/stage5
+  draft=$run/draft
   [[ -f $draft/MANIFEST.json ]] || { echo "no draft in $draft: run train (it saves there when it ends)" >&2; exit 1; }
   for t in "${targets[@]}"; do
     name=$(basename "$t")

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# One prepared run for a session that has a GPU (issue 17). A few minutes on an H100/H200; nothing is downloaded
-# (random bf16 weights; tiny models for the exactness tests). Results land in $OUT (default bench_results/gpu-check).
-#   scripts/gpu_check.sh            # on the GPU machine
+# The prepared GPU run: exactness on CUDA, then `s2d bench gpu-check` (the fleet model's device row, the engine's
+# rounds on a 7B shape, verify grids of 7B/13B/70B-TP4-rank shapes). A few minutes on an H100/H200; nothing is
+# downloaded (random bf16 weights; tiny models for the exactness tests). Results land in $OUT (default
+# bench_results/gpu-check); BENCHMARKS.md, GPU rounds, reads them.
+#   scripts/gpu_check.sh            # on the GPU machine, from any directory
 #   scripts/gpu_check.sh --tiny     # dry run on a CPU: the same code path with tiny widths
-# Every step runs whatever the one before did (a failed test still leaves the timings), each under its own limit,
-# and writes its files as it goes, so a run cut short still returns what it measured. Exit status: any failure.
+# Every step runs whatever the one before did (a failed test still leaves the timings), each under its own limit
+# (TEST_LIMIT_S, BENCH_LIMIT_S), and writes its files as it goes, so a run cut short still returns what it measured.
+# PYTHON (default python3) runs it. Exit status: any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/gpu-check}
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 (nvidia-smi || echo "no nvidia-smi") > "$OUT/nvidia-smi.txt" 2>&1
-# The GPU image has torch and transformers but not pydantic (s2d_ray.config): carry its wheels in .whl/ (pip download
-# pydantic, pydantic_core, annotated-types, typing-inspection for cp312; README of the device tool) and they are
-# installed here. The checkout travels whole, so move bench_results/, data/ and s2d_ray/assets/{drafts,adapters}
-# aside first (the committed drafts alone are over the 64 MiB a call may carry; nothing here reads them).
+# A GPU image with torch and transformers but without pydantic and no network: put pydantic's wheels (pydantic,
+# pydantic_core, annotated-types, typing-inspection, for the image's Python) in .whl/ and they are installed offline.
 if ! $PY -c "import pydantic" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="$PYTHONPATH:/tmp/site"

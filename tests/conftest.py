@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# One intra-op thread: tiny tensors on a loaded 2-core machine otherwise pay milliseconds of OpenMP barrier waits
-# per op (measured: a [3, 6] softmax 1 us alone, 5 ms under load). Real-model tests raise it where they need it.
+# One intra-op thread: tiny tensors on a loaded machine otherwise pay milliseconds of OpenMP barrier waits per op,
+# far more than the op itself. Real-model tests raise it where they need it.
 torch.set_num_threads(1)
 
-# Kernel timings measured under the suite's load stay out of the user's cache (core/kernel_times.py): one file per
+# Kernel timings measured under the suite's load stay out of the user's cache (kernels/timing_store.py): one file per
 # run, inherited by the Ray workers the serve tests start.
 os.environ.setdefault("S2D_KERNEL_TIMES", str(Path(tempfile.mkdtemp(prefix="s2d-kernel-times-")) / "times.json"))
 
@@ -29,7 +29,7 @@ from helpers import save_tiny_llama  # noqa: E402
 @pytest.fixture(autouse=True)
 def one_thread():
     """Back to one thread before every test: a test that runs the CLI (set_threads: all cores) must not leave the
-    next tests on two OpenMP threads, which on a loaded 2-core machine turned a 1 s device test into a 20-minute one."""
+    next tests on several OpenMP threads, which on a loaded machine slows a seconds-long test to minutes."""
     torch.set_num_threads(1)
 
 
@@ -41,7 +41,7 @@ def tiny_llama_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real SmolLM2-135M-Instruct (converted once into $S2D_CACHE_DIR or ~/.cache/s2d_ray, then ~1 s)."""
+    """The real SmolLM2-135M-Instruct (converted once into $S2D_CACHE_DIR or ~/.cache/s2d_ray, then loaded as is)."""
     from s2d_ray.models import load_model
 
     return load_model("smollm2-135m-instruct")

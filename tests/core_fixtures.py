@@ -10,6 +10,11 @@ from torch import nn
 from helpers import make_tiny_llama
 from s2d_ray.core.draft import DraftSpec, SortedDraft
 from s2d_ray.core.stack import decoder_parts
+from s2d_ray.kernels import CpuKernels
+
+# The CPU backend the shipped entry points inject (grouped attention, projections chosen by measurement): the
+# exactness tests run the path users run.
+KERNELS = CpuKernels()
 
 
 def tiny_target(seed: int = 0, num_layers: int = 4, vocab_size: int = 96, scale: float = 4.0) -> nn.Module:
@@ -30,7 +35,8 @@ def noisy_draft(target: nn.Module, num_layers: int = 3, exits: list[int] | None 
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * noise)
     exits = exits or list(range(1, num_layers + 1))
     thresholds = thresholds if thresholds is not None else [0.05] * (len(exits) - 1) + [0.0]
-    return SortedDraft(decoder_parts(target), DraftSpec("tiny", num_layers, exits, thresholds), layers)
+    return SortedDraft(decoder_parts(target), DraftSpec("tiny", num_layers, exits, thresholds), layers,
+                       kernels=KERNELS)
 
 
 def random_prompts(n: int, vocab_size: int = 96, seed: int = 0, lo: int = 3, hi: int = 17) -> list[list[int]]:

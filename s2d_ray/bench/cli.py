@@ -1,5 +1,6 @@
-"""`s2d bench spec|steps|plan-check|serve|draft-capacity`: Spec-Bench side by side, per-step costs, the fleet model
-checked, load against a running server, and the shared draft's capacity under that load."""
+"""`s2d bench spec|steps|plan-check|serve|draft-capacity|gpu-check|gpu-profile`: Spec-Bench side by side, per-step
+costs, the fleet model checked, load against a running server, the shared draft's capacity under that load, and the
+prepared GPU measurements."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from ..errors import ConfigError
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
-                       "load), draft-capacity (the shared draft under that load)")
+                       "load), draft-capacity (the shared draft under that load), gpu-check and gpu-profile (on a GPU)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
     _register_plan_check(bench)
     _register_serve(bench)
     _register_draft_capacity(bench)
+    _register_gpu(bench)
 
 
 def _default_out(kind: str) -> Path:
@@ -37,7 +39,7 @@ def _register_spec(bench) -> None:
     p = bench.add_parser("spec", help="Spec-Bench: every method side by side on the same prompts")
     add_engine_args(p, multi_target=True, mode=False)
     p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl "
-                   "(default ../shared/data/spec_bench/question.jsonl)")
+                   "(default $S2D_DATA_DIR/spec_bench/question.jsonl)")
     p.add_argument("--categories", type=NAMES, default=None,
                    help="comma list of tasks (mt_bench,translation,summarization,qa,math_reasoning,rag); default all")
     p.add_argument("--per-category", type=int, default=None, help="questions per category (default: all)")
@@ -59,10 +61,11 @@ def _register_spec(bench) -> None:
 
 def run_spec(args: argparse.Namespace) -> int:
     from ..build import build_draft, load_profile, load_target, set_threads
-    from .machine import load_average, machine_info
+    from ..hardware import load_average, machine_info
     from .methods import default_method_names, make_methods
     from .report import markdown_tables, write_outputs
-    from .spec import SpecRun, default_questions_path, read_questions, run_target, select_questions
+    from ..prompts import read_questions, select_questions
+    from .spec import SpecRun, default_questions_path, run_target
 
     if args.max_new_tokens < 1 or (args.per_category is not None and args.per_category < 1):
         raise ConfigError("--max-new-tokens and --per-category must be >= 1")
@@ -101,7 +104,8 @@ def _register_steps(bench) -> None:
     p.add_argument("--max-k", type=int, default=8, help="verify k = 1..max-k draft tokens")
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens per generation in ar-vs-generate and overhead")
     p.add_argument("--gen-prompts", type=int, default=3, help="prompts in ar-vs-generate and the overhead runs")
-    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for real prompts")
+    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for real prompts "
+                   "(default $S2D_DATA_DIR/spec_bench/question.jsonl if it exists, else synthetic prompts)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/steps-<time>)")
     p.set_defaults(func=run_steps)
 
@@ -139,6 +143,9 @@ def _register_plan_check(bench) -> None:
     p.add_argument("--quick", action="store_true", help="small device measurements (tests)")
     p.add_argument("--prompts", choices=["heldout", "specbench"], default="heldout",
                    help="held-out instructions (the profile's own distribution) or Spec-Bench questions")
+    p.add_argument("--data", type=Path, default=None, help="the --prompts file: instructions (default "
+                   "$S2D_DATA_DIR/train/instructions.jsonl) or Spec-Bench questions (default "
+                   "$S2D_DATA_DIR/spec_bench/question.jsonl)")
     p.add_argument("--gpu-json", type=Path, default=None,
                    help="instead: the model against a GPU run's own rounds (a gpu_check.json of scripts/gpu_check.sh)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/plan-check-<time>)")
@@ -159,7 +166,8 @@ def run_plan_check(args: argparse.Namespace) -> int:
     if min(args.threads, args.tokens, args.repeats, *args.batches) < 1:
         raise ConfigError("--threads, --tokens, --repeats and --batches must be >= 1")
     result = run_check(PlanCheck(args.target, args.draft, args.dtype, args.threads, args.tokens,
-                                 tuple(args.batches), args.repeats, args.quick, args.prompts))
+                                 tuple(args.batches), args.repeats, args.quick, args.prompts,
+                                 str(args.data) if args.data else None))
     return _write_report(args.out or _default_out("plan-check"), "plan_check", result, check_markdown(result))
 
 
@@ -208,7 +216,8 @@ def _add_load_args(p, concurrency_help: str, concurrency: list[int], requests_he
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (seconds)")
-    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for the mixed prompts")
+    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl for the mixed prompts "
+                   "(default $S2D_DATA_DIR/spec_bench/question.jsonl if it exists, else four built-in prompts)")
     p.add_argument("--no-usage", action="store_true", help="do not ask for stream_options.include_usage")
     p.add_argument("--api-key-env", default="S2D_API_KEY", help="environment variable holding the bearer key")
 
@@ -274,3 +283,38 @@ def run_draft_capacity(args: argparse.Namespace) -> int:
     _write_report(out, "draft_capacity", result, capacity_markdown(result))
     plot_capacity(result, out / "draft_capacity.png")
     return 1 if all(lv["completed"] == 0 for lv in result["levels"]) else 0
+
+
+# --- gpu-check, gpu-profile ------------------------------------------------------------------------------------------
+def _register_gpu(bench) -> None:
+    p = bench.add_parser("gpu-check", help="on a GPU: the fleet model's device row, the engine's rounds on a 7B shape "
+                         "and verify grids of 7B/13B/70B-TP4-rank shapes (random bf16 weights, nothing downloaded)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/gpu-check-<time>)")
+    p.add_argument("--tiny", action="store_true", help="tiny widths: the same code path as a dry run on a CPU")
+    p.add_argument("--stages", type=NAMES, default=None, help="comma list of row, engine, verify (default: all)")
+    p.set_defaults(func=run_gpu_check)
+    p = bench.add_parser("gpu-profile", help="on a GPU: where a decode step's time goes (transformers' step, the "
+                         "verifier's, the engine's round, a profile of its rounds, transformers generate)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/gpu-profile-<time>)")
+    p.add_argument("--tiny", action="store_true", help="tiny widths: the same code path as a dry run on a CPU")
+    p.add_argument("--compile", action="store_true", help="also transformers' static cache, compiled (minutes)")
+    p.set_defaults(func=run_gpu_profile)
+
+
+def run_gpu_check(args: argparse.Namespace) -> int:
+    from .gpu_check import STAGES, run, summary
+
+    stages = tuple(args.stages or STAGES)
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        raise ConfigError(f"--stages: unknown {unknown}; choose from {', '.join(STAGES)}")
+    res = run(args.out or _default_out("gpu-check"), args.tiny, stages)
+    sys.stdout.write(summary(res))
+    return 1 if res.get("errors") else 0
+
+
+def run_gpu_profile(args: argparse.Namespace) -> int:
+    from .gpu_profile import run, summary
+
+    sys.stdout.write(summary(run(args.out or _default_out("gpu-profile"), args.tiny, args.compile)))
+    return 0

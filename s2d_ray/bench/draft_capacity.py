@@ -6,7 +6,8 @@ gives the draft's busy fraction (model-thread seconds drafting / wall seconds), 
 were shared by more than one target, rows per forward, the queueing delay each round's propose call waited before its
 forward (the latency the draft adds per round beyond its own forward), and the draft's share of a target round:
 (queue delay + mean forward) / mean round time, where a target's rounds run one after another, so its round time is
-wall / (calls / n). All counters are differences over the level, so levels never mix. Figures: BENCHMARKS.md §3c.
+wall / (calls / n). All counters are differences over the level, so levels never mix (see BENCHMARKS.md, draft
+capacity).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from ..errors import ServiceUnavailableError
 from .serve import LoadRun, level_summary, run_level
 
-BUSY_LIMIT = 0.7  # docs/SERVING.md "Sizing the draft replica": above this, queueing delay grows fast
+BUSY_LIMIT = 0.7  # docs/SERVING.md "Sizing the draft": above this, queueing delay grows fast
 
 COUNTERS = ("num_calls", "num_forwards", "num_rows", "num_merged_forwards", "num_merged_rows", "busy_s",
             "queue_delay_s", "uptime_s")
@@ -72,7 +73,7 @@ async def run_capacity(run: CapacityRun, prompts: list[str]) -> dict:
     """For n = 1..len(targets) and each per-target concurrency c: n x c streams (c per target), the draft's delta."""
     import httpx
 
-    from .machine import load_average, machine_info
+    from ..hardware import load_average, machine_info
 
     peak = len(run.targets) * max(run.load.concurrency)
     limits = httpx.Limits(max_connections=peak + 1, max_keepalive_connections=peak + 1)

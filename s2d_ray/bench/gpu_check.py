@@ -1,4 +1,4 @@
-"""`python -m s2d_ray.bench.gpu_check --out DIR [--tiny]`: what one GPU session should measure (scripts/gpu_check.sh).
+"""`s2d bench gpu-check --out DIR [--tiny]`: what a GPU run measures (scripts/gpu_check.sh runs it with the tests).
 
 1. the device row of the fleet model (bandwidth, FLOP/s, overheads; fleet/measure.py) in bf16;
 2. verify costs by batch x positions for Llama-2-7B- and 13B-shaped models and ONE rank of Llama-2-70B at TP 4,
@@ -28,6 +28,7 @@ from ..train.calibrate import measure_verify_grid
 
 logger = logging.getLogger(__name__)
 
+STAGES = ("row", "engine", "verify")
 BATCHES = (1, 2, 4, 8, 16, 32)
 POSITIONS = (1, 2, 4, 8, 16)
 
@@ -137,7 +138,7 @@ def stage(result: dict, holder: dict, key: str, out_dir: Path, fn) -> None:
         torch.cuda.empty_cache()
 
 
-def run(out_dir: Path, tiny: bool, stages: tuple[str, ...] = ("row", "engine", "verify")) -> dict:
+def run(out_dir: Path, tiny: bool, stages: tuple[str, ...] = STAGES) -> dict:
     import transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -180,15 +181,22 @@ def run(out_dir: Path, tiny: bool, stages: tuple[str, ...] = ("row", "engine", "
     return result
 
 
+def summary(res: dict) -> str:
+    """The device, its row, the engine's rounds and any stage's error, as JSON."""
+    return json.dumps({k: res.get(k) for k in ("device_name", "device_row", "engine", "errors")}, indent=1,
+                      default=str) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Without the CLI's settings stack: what scripts/gpu_check.sh runs."""
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="tiny widths: a dry run on CPU")
-    p.add_argument("--stages", default="row,engine,verify", help="comma list of row, engine, verify")
+    p.add_argument("--stages", default="row,engine,verify", help="comma list of " + ", ".join(STAGES))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     res = run(args.out, args.tiny, tuple(args.stages.split(",")))
-    print(json.dumps({k: res.get(k) for k in ("device_name", "device_row", "engine", "errors")}, indent=1, default=str))
+    print(summary(res), end="")
     return 1 if res.get("errors") else 0
 
 

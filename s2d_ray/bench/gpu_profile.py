@@ -1,7 +1,7 @@
-"""`python -m s2d_ray.bench.gpu_profile --out DIR [--tiny] [--compile]`: where a GPU decode step's time goes.
+"""`s2d bench gpu-profile --out DIR [--tiny] [--compile]`: where a GPU decode step's time goes.
 
-The first H200 run (bench_results/gpu-check) showed the engine host-bound: a 7B-shaped round of plain decoding took
-56 ms where streaming the weights takes ~3 ms. This run separates (1) Hugging Face's own decode step (its model
+An eager decode step of a 7B-shaped model on a fast GPU is bound by the host (kernel launches, Python), not by
+streaming the weights. This run separates (1) Hugging Face's own decode step (its model
 forward with its DynamicCache) from (2) our verifier's step (slot cache, masks, row table) and (3) the engine's round
 around it; profiles the engine's rounds (host time by op, synchronisations); and times the fastest plain decoding a
 user could pick in transformers: `generate` eager, and with a static cache compiled (`--compile`).
@@ -127,6 +127,11 @@ def run(out_dir: Path, tiny: bool, compile_: bool) -> dict:
     return res
 
 
+def summary(res: dict) -> str:
+    """Every figure but the per-op profile, as JSON."""
+    return json.dumps({k: v for k, v in res.items() if k != "profile_8_rounds"}, indent=1, default=str) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_profile", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     res = run(args.out, args.tiny, args.compile)
-    print(json.dumps({k: v for k, v in res.items() if k != "profile_8_rounds"}, indent=1, default=str))
+    print(summary(res), end="")
     return 0
 
 

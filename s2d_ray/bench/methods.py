@@ -18,7 +18,7 @@ from torch import nn
 
 from ..build import DTYPES, build_draft, build_engine, load_profile
 from ..config import EngineConfig, SpecConfig
-from ..core.attention import stock_attention
+from ..kernels import stock_attention
 from ..core.draft import SortedDraft
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams

@@ -10,26 +10,25 @@ run's own measured MAT, so the cost model's error and the acceptance model's err
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 from statistics import median
 
 import torch
 
 from ..build import build_engine, load_profile, load_target, set_threads
-from ..config import DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..config import (SPEC_BENCH_QUESTIONS, TRAIN_DATA, DraftConfig, EngineConfig, SpecConfig, TargetConfig,
+                      data_file)
 from ..core.engine import GenerationRequest
 from ..fleet.hardware import DEVICES
 from ..fleet.measure import device_fields, measure_device
 from ..fleet.model import DTYPE_BYTES, Replica, forward_ms, mat
 from ..fleet.plan import draft_shape_of, model_shape
-from .machine import machine_info
-from ..prompts import encode_messages
+from ..hardware import machine_info
+from ..prompts import encode_messages, sample_prompts
 from ..train.data import messages_of
-from .steps import bench_prompts
 
 MAX_ERROR = 0.15
-HELDOUT = Path("/work/shared/data/train/instructions.jsonl")  # calibrate's default --data
 
 
 @dataclass
@@ -43,6 +42,7 @@ class PlanCheck:
     repeats: int = 3
     quick: bool = False
     prompts: str = "heldout"  # heldout: the calibration set's distribution; specbench: other prompts
+    data: str | None = None  # their file (instructions or Spec-Bench questions); None: the data directory's
 
 
 def predict(rep: Replica, groups: list[list[int]], k: int, tokens: int, measured_mat: float | None = None) -> float:
@@ -62,16 +62,18 @@ def predict(rep: Replica, groups: list[list[int]], k: int, tokens: int, measured
     return 1e3 * tokens * sum(len(g) for g in groups) / total_ms
 
 
-def check_prompts(tokenizer, kind: str, n: int) -> list[list[int]]:
+def check_prompts(tokenizer, kind: str, n: int, data: str | None = None) -> list[list[int]]:
     """Chat-templated first turns: held-out instructions (the calibration profile's own distribution, so its
-    acceptance applies) or Spec-Bench questions (how acceptance transfers to other prompts)."""
+    acceptance applies) or Spec-Bench questions (how acceptance transfers to other prompts), from `data` or the
+    data directory's file of that kind."""
     if kind == "specbench":
-        return bench_prompts(tokenizer, None, n)
+        return sample_prompts(tokenizer, Path(data) if data else data_file(SPEC_BENCH_QUESTIONS, "--data"), n)
     from ..train.selfdistill import pick_rows
 
-    rows = pick_rows(HELDOUT, n, 0, "heldout", {"gsm8k_train": 0.25})
+    heldout = Path(data) if data else data_file(TRAIN_DATA, "--data")  # calibrate's default --data
+    rows = pick_rows(heldout, n, 0, "heldout", {"gsm8k_train": 0.25})
     if len(rows) < n:
-        raise ValueError(f"{HELDOUT} has fewer than {n} held-out instructions")
+        raise ValueError(f"{heldout} has fewer than {n} held-out instructions")
     return [encode_messages(tokenizer, [m for m in messages_of(r) if m["role"] == "user"][:1]) for r in rows]
 
 
@@ -103,7 +105,7 @@ def run_check(run: PlanCheck) -> dict:
     profile = load_profile(cfg) or {}
     agree = float(profile.get("on_path", {}).get("s2d_agree", 0.0))
     k = int(profile.get("k", 5))
-    prompts = check_prompts(target.tokenizer, run.prompts, max(run.batches))
+    prompts = check_prompts(target.tokenizer, run.prompts, max(run.batches), run.data)
     base = Replica(shape, dev, draft=dshape, draft_depth=depth, agree=agree, dtype_bytes=DTYPE_BYTES[run.dtype])
     engines = {"ar": build_engine(cfg.model_copy(update={"spec": SpecConfig(mode="ar")}), target),
                "s2d": build_engine(cfg.model_copy(update={"spec": SpecConfig(mode="s2d", policy="fixed", k=k)}),

@@ -14,6 +14,11 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
+
+from ..config import SPEC_BENCH_QUESTIONS, optional_data_file
+from ..prompts import read_questions, select_questions
+from .server_clocks import timing_delta
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +48,22 @@ class LoadRun:
     # Each level also runs with `speculate: false` (plain target decoding through the SAME app, processes and
     # batching), right after the speculative run: served S2D against served AR in one run, no second deployment.
     # The plain run sends exactly the requests the speculative run sent (the same prompts, in order), however long
-    # that takes: where `max_seconds` ended a level, the faster variant had otherwise covered more prompts than the
-    # other, and the two rates were over different work (session 23: 14 against 12 of 24 prompts at c1).
+    # that takes: where `max_seconds` ended a level, the faster variant would otherwise cover more prompts than the
+    # other, and the two rates would be over different work.
     compare_plain: bool = False
     speculate: bool | None = None  # the body's `speculate` field; None: not sent (the server's default)
     # Ask for each response's generated ids (`return_token_ids`, an extension) and keep them, e.g. for the greedy
     # check (bench/greedy_check.py).
     return_token_ids: bool = False
     # Requests sent one after another before the first level, per variant, and not counted (the run's first prompts,
-    # max_tokens as the levels'): a fresh server's first few requests pay one-time costs (session 26, c1 on a fresh
-    # local.yaml app: 34.8 tok/s after one warm-up request that answered one token, 38.5 after four, 38.1-38.5 on a
-    # server warmed by 52 requests). The in-process twins warm up too; SGLang's bench_serving and vLLM's
-    # benchmark_serving send a first request the same way. The CLI's default is 4.
+    # max_tokens as the levels'): a fresh server's first few requests pay one-time costs (allocations, caches, the
+    # first prompt lengths), and a single short warm-up request does not cover them. The in-process twins warm up
+    # too; SGLang's bench_serving and vLLM's benchmark_serving send a first request the same way. The CLI's default
+    # is 4.
     warmup: int = 0
     # With an in-process twin (bench/twin.py): after the levels, this many pairs at concurrency 1, each variant
-    # served and in process on the same requests, the order alternating (served first, then twin first): the
-    # ratio of runs minutes apart, on a host whose speed drifts more than the overhead measured.
+    # served and in process on the same requests, the order alternating (served first, then twin first): each
+    # ratio compares runs minutes apart, on a host whose speed can drift more than the overhead measured.
     twin_pairs: int = 0
 
 
@@ -75,11 +80,11 @@ class RequestResult:
 
 
 def mixed_prompts(questions: Path | None, max_chars: int = 4000) -> list[str]:
-    """First turns of Spec-Bench questions, tasks interleaved (short chat, long summaries, math...)."""
-    from .spec import default_questions_path, read_questions, select_questions
-
-    path = questions or default_questions_path()
-    if not path.exists():
+    """First turns of Spec-Bench questions, tasks interleaved (short chat, long summaries, math...): `questions`, else
+    the data directory's question file; without either, four built-in prompts."""
+    path = questions or optional_data_file(SPEC_BENCH_QUESTIONS)
+    if path is None:
+        logger.warning("no Spec-Bench questions (pass --questions or set S2D_DATA_DIR): four built-in prompts")
         return list(FALLBACK_PROMPTS)
     return [q.turns[0][:max_chars] for q in select_questions(read_questions(path), 8)]
 
@@ -197,55 +202,20 @@ async def server_timing(client, run: LoadRun) -> dict | None:
         return None
 
 
-def timing_delta(before: dict | None, after: dict | None) -> dict | None:
-    """What one level added to the router's clocks: rounds and their mean ms, and per deployment (target, draft)
-    its calls, their mean wall ms, the replica's ms, the difference (the price of the call itself) and the model
-    thread's CPU ms (None where the server does not measure it)."""
-    if not before or not after or "round" not in before or "round" not in after:
-        return None
-    total = lambda t, n, ms: t[n] * t[ms]  # noqa: E731  (the clocks report means; sums subtract)
-    rounds = after["round"]["rounds"] - before["round"]["rounds"]
-    if rounds <= 0:
-        return None
-    out: dict = {"rounds": rounds, "round_ms": (total(after["round"], "rounds", "mean_round_ms")
-                                                 - total(before["round"], "rounds", "mean_round_ms")) / rounds}
-    for role in ("target", "draft"):
-        a, b = before.get(role), after.get(role)
-        calls = (b["calls"] - a["calls"]) if a and b else 0
-        if calls > 0:
-            wall = total(b, "calls", "mean_call_ms") - total(a, "calls", "mean_call_ms")
-            replica = total(b, "calls", "mean_replica_ms") - total(a, "calls", "mean_replica_ms")
-            cpu = total(b, "calls", "mean_replica_cpu_ms") - total(a, "calls", "mean_replica_cpu_ms") \
-                if "mean_replica_cpu_ms" in a and "mean_replica_cpu_ms" in b else 0.0
-            out[role] = {"calls": calls, "call_ms": wall / calls, "replica_ms": replica / calls,
-                         "overhead_ms": (wall - replica) / calls, "replica_cpu_ms": cpu / calls if cpu > 0 else None}
-    spent = spent_delta((before.get("speculation") or {}).get("spent"), (after.get("speculation") or {}).get("spent"))
-    if spent:
-        out["spent"] = spent
-    return out
+class InProcessTwin(Protocol):
+    """What `run_load` pairs served levels with (bench/twin.py's `Twin`): the same requests decoded in this process."""
+
+    def run(self, concurrency: int, requests: int, max_tokens: int, temperature: float, speculate: bool) -> dict:
+        ...
 
 
-def spent_delta(before: dict | None, after: dict | None) -> dict | None:
-    """Per kind of round (prompt, draft, catch-up, tree, plain: the budget's `spent`), what one level added: rounds,
-    seconds, tokens."""
-    if not after:
-        return None
-    before = before or {}
-    out = {}
-    for kind, a in after.items():
-        d = {k: a.get(k, 0) - before.get(kind, {}).get(k, 0) for k in ("rounds", "seconds", "tokens", "draft_seconds")}
-        if d["rounds"] > 0:
-            out[kind] = d
-    return out or None
-
-
-async def run_load(run: LoadRun, prompts: list[str], twin=None) -> dict:
+async def run_load(run: LoadRun, prompts: list[str], twin: InProcessTwin | None = None) -> dict:
     """Every level in turn on one connection pool (loopback only; proxies from the environment are ignored); each
     level also records what it added to the server's round and call clocks (`server`), where the server has them.
     With `twin` (bench/twin.py) and `run.twin_pairs`, the served-against-in-process pairs follow (`twin`)."""
     import httpx
 
-    from .machine import machine_info
+    from ..hardware import machine_info
 
     limits = httpx.Limits(max_connections=max(run.concurrency), max_keepalive_connections=max(run.concurrency))
     headers = {"authorization": f"Bearer {run.api_key}"} if run.api_key else {}
@@ -280,15 +250,22 @@ async def run_load(run: LoadRun, prompts: list[str], twin=None) -> dict:
     return {**out, "twin": pairs} if pairs is not None else out
 
 
-async def twin_pairs(client, run: LoadRun, prompts: list[str], twin, variants) -> dict:
+async def served_c1(client, run: LoadRun, level: LoadRun, prompts: list[str]) -> dict:
+    """One served level at concurrency 1, with what it added to the server's clocks (`server`)."""
+    clocks, t0 = await server_timing(client, run), time.perf_counter()
+    results = await run_level(client, level, 1, prompts)
+    served = level_summary(1, results, time.perf_counter() - t0)
+    server = timing_delta(clocks, await server_timing(client, run))
+    return {**served, **({"server": server} if server else {})}
+
+
+async def twin_pairs(client, run: LoadRun, prompts: list[str], twin: InProcessTwin, variants) -> dict:
     """Concurrency 1, `run.twin_pairs` times per variant: the served level, then the twin on the requests it sent
     (the order swapped every other pair, so a drift in the host's speed does not favour either side). The twin
     first decodes the requests once per variant, not counted, as the served app did in the levels: a first pass
-    over new prompt lengths runs 7% slower (session 27: 38.7 tok/s, then 41.6 and 41.5 in one process)."""
-    from .twin import run_twin_level
-
+    over new prompt lengths runs slower than the later ones."""
     for label, speculate in variants:
-        run_twin_level(twin, 1, max(run.requests, 1), run.max_tokens, run.temperature, speculate is not False)
+        twin.run(1, max(run.requests, 1), run.max_tokens, run.temperature, speculate is not False)
     pairs = []
     for p in range(run.twin_pairs):
         for label, speculate in variants:
@@ -298,14 +275,10 @@ async def twin_pairs(client, run: LoadRun, prompts: list[str], twin, variants) -
                 if side == "served":
                     if twin_run is not None:  # the twin's requests, however long they take
                         level = replace(level, requests=twin_run["requests"], max_seconds=PAIRED_MAX_SECONDS)
-                    clocks, t0 = await server_timing(client, run), time.perf_counter()
-                    results = await run_level(client, level, 1, prompts)
-                    served = level_summary(1, results, time.perf_counter() - t0)
-                    server = timing_delta(clocks, await server_timing(client, run))
-                    served.update({"server": server} if server else {})
+                    served = await served_c1(client, run, level, prompts)
                 else:
                     n = served["sent"] if served is not None else run.requests
-                    twin_run = run_twin_level(twin, 1, n, run.max_tokens, run.temperature, speculate is not False)
+                    twin_run = twin.run(1, n, run.max_tokens, run.temperature, speculate is not False)
             ratio = (served["throughput_tokens_per_s"] / twin_run["throughput_tokens_per_s"]
                      if twin_run["throughput_tokens_per_s"] else None)
             pairs.append({"pair": p, "variant": label or "default", "first": "served" if p % 2 == 0 else "twin",

@@ -7,7 +7,6 @@ order rotated per question, so machine drift and cache effects hit all of them a
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,78 +15,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..config import SPEC_BENCH_QUESTIONS, data_file
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 from ..models import LoadedModel
-from ..prompts import encode_messages
+from ..prompts import Question, encode_messages
 from .methods import Method, MethodStats
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
-                                 "humanities"})
 BASELINE = "hf-generate"
-QUESTIONS_RELATIVE = Path("..") / "shared" / "data" / "spec_bench" / "question.jsonl"
-
-
-@dataclass(frozen=True)
-class Question:
-    question_id: int | str
-    category: str  # the row's own category (MT-Bench has eight)
-    task: str  # one of Spec-Bench's six tasks
-    turns: tuple[str, ...]
 
 
 def default_questions_path() -> Path:
-    """../shared/data/spec_bench/question.jsonl next to the checkout (or the working directory)."""
-    repo = Path(__file__).resolve().parents[2]
-    for base in (Path.cwd(), repo):
-        if (base / QUESTIONS_RELATIVE).exists():
-            return (base / QUESTIONS_RELATIVE).resolve()
-    return repo / QUESTIONS_RELATIVE
-
-
-def task_of(category: str) -> str:
-    return "mt_bench" if category in MT_BENCH_CATEGORIES else category
-
-
-def read_questions(path: Path) -> list[Question]:
-    if not path.exists():
-        raise ConfigError(f"questions file {path} does not exist (pass --questions PATH)")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            turns = tuple(str(t) for t in row["turns"])
-            rows.append(Question(row["question_id"], str(row["category"]), task_of(str(row["category"])), turns))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}:{n}: not a Spec-Bench row with question_id, category, turns ({exc})") from None
-        if not turns:
-            raise ConfigError(f"{path}:{n}: `turns` is empty")
-    return rows
-
-
-def select_questions(rows: list[Question], per_category: int | None, tasks: list[str] | None = None) -> list[Question]:
-    """Evenly spaced picks per task (so MT-Bench's eight sub-categories all appear), tasks interleaved in order."""
-    by_task: dict[str, list[Question]] = {}
-    for q in rows:
-        by_task.setdefault(q.task, []).append(q)
-    wanted = tasks or [t for t in TASKS if t in by_task] + sorted(set(by_task) - set(TASKS))
-    unknown = [t for t in wanted if t not in by_task]
-    if unknown:
-        raise ConfigError(f"no questions for categories {unknown}; the file has {sorted(by_task)}")
-    picked = {}
-    for t in wanted:
-        qs = by_task[t]
-        n = len(qs) if per_category is None else min(per_category, len(qs))
-        picked[t] = [qs[(i * len(qs)) // n] for i in range(n)]
-    out = []
-    for i in range(max(len(v) for v in picked.values())):
-        out.extend(picked[t][i] for t in wanted if i < len(picked[t]))
-    return out
+    """Spec-Bench's question file under the data directory (S2D_DATA_DIR); without one, an error naming it."""
+    return data_file(SPEC_BENCH_QUESTIONS, "--questions PATH")
 
 
 @dataclass

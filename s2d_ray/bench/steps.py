@@ -21,15 +21,15 @@ from statistics import median
 import torch
 from torch import nn
 
-from ..build import build_draft, load_profile, load_target, set_threads
-from ..config import EngineConfig
+from ..build import build_draft, load_profile, load_target, make_kernels, set_threads
+from ..config import SPEC_BENCH_QUESTIONS, EngineConfig, optional_data_file
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 from ..models import LoadedModel
-from ..prompts import encode_messages
-from ..train.calibrate import measure_verify_grid
-from .machine import machine_info
+from ..prompts import sample_prompts
+from ..train.calibrate import context_ids, measure_verify_grid
+from ..hardware import machine_info
 from .methods import EngineMethod, HFGenerate, with_mode
 
 logger = logging.getLogger(__name__)
@@ -57,29 +57,10 @@ def timed_ms(fn, repeats: int, warmup: int = 2) -> dict:
     return {"median_ms": median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[(len(times) * 9) // 10]}
 
 
-def bench_prompts(tokenizer, questions: Path | None, n: int) -> list[list[int]]:
-    """First turns of Spec-Bench questions from different tasks, chat-templated (synthetic text if no file)."""
-    from .spec import default_questions_path, read_questions, select_questions
-
-    path = questions or default_questions_path()
-    if path.exists():
-        texts = [q.turns[0] for q in select_questions(read_questions(path), 1)][:n]
-    else:
-        texts = [f"Explain, step by step, how a speculative decoder verifies draft tokens (variant {i})." for i in range(n)]
-    return [encode_messages(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-
-
-def context_ids(prompts: list[list[int]], length: int) -> list[int]:
-    ids = [t for p in prompts for t in p]
-    while len(ids) < length + 2:
-        ids = ids + ids
-    return ids[:length]
-
-
 # --- target and draft steps ------------------------------------------------------------------------------------------
 def target_steps(model: nn.Module, ctx: list[int], max_k: int, repeats: int) -> dict:
     """Decode step, and verification of k draft tokens = one forward over k + 1 positions (k + 1 logits)."""
-    verifier = TargetVerifier(model)
+    verifier = TargetVerifier(model, kernels=make_kernels())
     verifier.score([ScoreRequest("s", ctx, 1)])  # prefill; later calls recompute only the tail
     drafts = ctx[-max_k - 1:][::-1]  # real token ids; values do not change the cost
     out = {"decode": timed_ms(lambda: verifier.score([ScoreRequest("s", ctx + drafts[:1], 1)]), repeats)}
@@ -209,7 +190,8 @@ def run_all(cfg: EngineConfig, run: StepsRun) -> dict:
     set_threads(cfg.num_threads)
     target = load_target(cfg)
     draft = build_draft(cfg, target, load_profile(cfg))
-    prompts = bench_prompts(target.tokenizer, run.questions, run.gen_prompts)
+    questions = run.questions or optional_data_file(SPEC_BENCH_QUESTIONS)
+    prompts = sample_prompts(target.tokenizer, questions, run.gen_prompts)
     ctx = context_ids(prompts, run.context)
     logger.info("steps at context %d, %d threads", len(ctx), torch.get_num_threads())
     result = {"machine": machine_info(), "target": cfg.target.name, "draft": cfg.draft.source,

@@ -3,9 +3,9 @@ the same prompts, max_tokens and temperature, decoded in this process with the r
 joins between rounds while fewer than `concurrency` run; a client's next request arrives when its last one ended).
 
 Served tok/s over twin tok/s is what serving costs. Measured once before a served run, the twin is not a fair
-reference on a shared host: session 27's 2-vCPU VM ran the same twin at 41.8 tok/s and, 22 minutes later, 33.6 (the
-served level drifted with it). `s2d bench serve --twin` therefore alternates the two, served then twin then twin then
-served, so each ratio compares runs minutes apart, and reports every pair.
+reference on a shared host, whose speed can drift by more than that cost within minutes. `s2d bench serve --twin`
+therefore alternates the two, served then twin then twin then served, so each ratio compares runs minutes apart, and
+reports every pair.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..core.types import SamplingParams
 from ..errors import ConfigError
 from ..gc_pauses import gc_pauses
 from ..prompts import encode_prompt
-from .serve import spent_delta
+from .server_clocks import spent_delta
 
 
 @dataclass
@@ -27,6 +27,11 @@ class Twin:
     built: Built
     prompt_ids: list[list[int]]  # the bench's prompts, encoded as the router encodes a /v1/completions prompt
     eos: tuple[int, ...]
+
+    def run(self, concurrency: int, requests: int, max_tokens: int, temperature: float = 0.0,
+            speculate: bool = True) -> dict:
+        """One level in this process (`run_twin_level`)."""
+        return run_twin_level(self, concurrency, requests, max_tokens, temperature, speculate)
 
 
 def build_twin(app, model: str, prompts: list[str]) -> Twin:
@@ -38,8 +43,7 @@ def build_twin(app, model: str, prompts: list[str]) -> Twin:
     spec = app.target(model)
     if spec.tp_size > 1:
         raise ConfigError(f"--twin compares a target decoded in one process; {model} has tp_size {spec.tp_size}")
-    built = build_engine(app.engine_config(model))
-    built.engine.plain_steps = spec.plain_steps
+    built = build_engine(app.engine_config(model), plain_steps=spec.plain_steps)
     tok = built.target.tokenizer
     eos = tuple(i for i in {tok.eos_token_id} if i is not None)
     return Twin(built, [encode_prompt(tok, p, chat=False) for p in prompts], eos)

@@ -7,7 +7,7 @@ import argparse
 from typing import Callable, TypeVar, get_args
 
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
-from ..dtypes import resolve_dtype
+from ..hardware import resolve_dtype
 
 T = TypeVar("T")
 

@@ -5,18 +5,23 @@ With a cost model (calibration) the engine picks, every round, the draft depth t
 second for the whole batch, then keeps the best n nodes per row for the same reason (n = 0 is plain decoding). As the
 batch grows, verify(B, n) grows with B * n and the same rule shrinks trees to nothing; it grows them back when load
 drops. Acceptance probabilities are learned online from this engine's own rounds (priors only until data arrives).
+
+The budget learns from every finished round (`RoundObservation`), keeps per sequence what the draft has seen of it
+(`DraftRows`), decides each round's plan in `SpeculationBudget.plan` and now and then tries what it would not choose
+(`Exploration`), so that what it decides by stays measured.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Mapping
 
+from .acceptance import AcceptanceModel
 from .costs import CostModel
-from .tree import LOOKUP, TokenTree, is_lookup
+from .exploration import Exploration
+from .tree import TokenTree
 
-SCORE_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)  # upper edges of draft-score bins
-MAX_LOOKUP_DEPTH = 32
+NEVER_DRAFTED = -2  # the round a sequence the draft has not run for "last drafted in"
 
 
 @dataclass(frozen=True)
@@ -30,81 +35,6 @@ class TreeShape:
     frontier: int = 1
 
 
-class AcceptanceModel:
-    """P(the path to a node is accepted), by the node's draft path probability (binned) or its lookup depth (the
-    first continuation by the length of the suffix it matched, and the other, older occurrences' branches apart).
-
-    Counts start from priors worth `prior_weight` observations (draft: 0.8 x the bin's score; lookup: LOOKUP_PRIORS;
-    branches 0.15 x 0.7^d), then follow what this engine's rounds accepted.
-    """
-
-    # Matched suffix length (1..4, 4 = longer too; 0 = not recorded) -> (P(first token accepted), ratio per deeper
-    # token). A continuation after a 4-token match is right ~0.9 of the time, after a 1-token match ~0.3: one
-    # estimate for both kept the 1-token matches' nodes where they cost more than they yield, or dropped the 4-token
-    # ones where they pay (offline replay on the held-out greedy paths of both targets: 0.28-0.32 / 0.49-0.52 /
-    # 0.51-0.61 / 0.87-0.95 at depth 1; modelled lookup-only rounds +4-9% tokens per cost where width is dear).
-    LOOKUP_PRIORS = ((0.5, 0.8), (0.3, 0.65), (0.5, 0.7), (0.55, 0.7), (0.9, 0.87))
-
-    def __init__(self, prior_weight: float = 4.0) -> None:
-        lows = (0.0,) + SCORE_EDGES[:-1]
-        centres = [(lo + min(hi, 1.0)) / 2 for lo, hi in zip(lows, SCORE_EDGES)]
-        self.draft = [[0.8 * c * prior_weight, prior_weight] for c in centres]  # [accepted, offered] per bin
-        # [matched suffix length bucket][depth - 1] -> [accepted, offered]
-        self.lookup = [[[p * r ** d * prior_weight, prior_weight] for d in range(MAX_LOOKUP_DEPTH)]
-                       for p, r in self.LOOKUP_PRIORS]
-        self.branch = [[0.15 * 0.7 ** d * prior_weight, prior_weight] for d in range(MAX_LOOKUP_DEPTH)]
-
-    @staticmethod
-    def _bin(score: float) -> int:
-        return min(bisect.bisect_right(SCORE_EDGES, score), len(SCORE_EDGES) - 1)
-
-    def _lookup_cell(self, exit_layer: int, depth: int, ngram: int = 0) -> list[float]:
-        d = min(depth, MAX_LOOKUP_DEPTH) - 1
-        if exit_layer != LOOKUP:
-            return self.branch[d]
-        return self.lookup[min(max(ngram, 0), len(self.lookup) - 1)][d]
-
-    def _lookup_p(self, exit_layer: int, depth: int, ngram: int = 0) -> float:
-        acc, off = self._lookup_cell(exit_layer, depth, ngram)
-        return acc / off
-
-    def estimate(self, tree: TokenTree) -> list[float]:
-        depths = tree.depths()
-        est = []
-        for ex, score, d in zip(tree.exits, tree.scores, depths):
-            a, o = self.draft[self._bin(score)]
-            p = a / o if score > 0 else 0.0
-            if is_lookup(ex):
-                p = max(p, self._lookup_p(ex, d, tree.match_ngram))
-            est.append(p)
-        # A node is never likelier than its parent (the path must be accepted first).
-        for i, par in enumerate(tree.parents):
-            if par >= 0:
-                est[i] = min(est[i], est[par])
-        return est
-
-    def score_for(self, p: float) -> float:
-        """The lowest draft path probability whose bin is accepted with probability >= p (1.01: none is)."""
-        lows = (0.0,) + SCORE_EDGES[:-1]
-        for lo, (acc, off) in zip(lows, self.draft):
-            if acc / off >= p:
-                return lo
-        return SCORE_EDGES[-1]
-
-    def observe(self, tree: TokenTree, path: list[int]) -> None:
-        on_path = set(path)
-        for i, (ex, score, d) in enumerate(zip(tree.exits, tree.scores, tree.depths())):
-            hit = float(i in on_path)
-            if score > 0:
-                cell = self.draft[self._bin(score)]
-                cell[0] += hit
-                cell[1] += 1
-            if is_lookup(ex):
-                cell = self._lookup_cell(ex, d, tree.match_ngram)
-                cell[0] += hit
-                cell[1] += 1
-
-
 @dataclass(frozen=True)
 class RoundPlan:
     """What the drafter is asked for this round: the spine's depth cap and the path probability below which a
@@ -115,61 +45,92 @@ class RoundPlan:
     hold: frozenset[int] = frozenset()  # rows (indices into the plan's `rows`) that do not draft this round
 
 
+@dataclass(frozen=True)
+class RoundObservation:
+    """One finished round of the whole batch, as the budget learns from it."""
+
+    seconds: float  # wall seconds of the round
+    tokens: int  # tokens it emitted, all rows together
+    draft_seconds: float = 0.0  # of which the draft's
+    depth: int = 0  # the deepest draft depth a row ran (0: the draft did not run)
+    # (seconds, batch, positions) of its verification when it was a one-step decode round (no row filled its prompt,
+    # no row took several plain steps), else None: a prompt round costs what the prompt costs, not what the grid models.
+    verify: tuple[float, int, int] | None = None
+    # Its rows when the round is fit to time a kind of round by, else None: no row filled a prompt, and every drafting
+    # row drafted the round before or is new to the draft (the first draft after a pause catches up on every token
+    # since, but filling a joining sequence's prompt is what drafting costs while sequences come and go).
+    batch: int | None = None
+    nodes: int = 0  # the most tree nodes a row verified
+    prompt: bool = False  # a row filled its prompt
+    warm: bool = True  # every drafting row drafted the round before: the draft's time is its depths only
+    filled: int = 0  # tokens the draft caught up on for the drafting rows that did not
+
+
+@dataclass(frozen=True)
+class DraftLag:
+    """How a round's drafting rows stood with the draft (see `RoundObservation`): `warm` every one drafted the round
+    before; `joined` the others are new to the draft, beside warm rows; `filled` the tokens caught up on."""
+
+    warm: bool
+    joined: bool
+    filled: int
+
+
+class DraftRows:
+    """Per live sequence, what the draft has seen of it: the round it last drafted in and its length then."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, int]] = {}  # seq id -> (round, tokens the draft had seen)
+
+    def behind(self, seq_id: str, length: int) -> int:
+        """Tokens of a sequence `length` long that the draft must catch up on before it drafts."""
+        return length - self._seen.get(seq_id, (NEVER_DRAFTED, 0))[1]
+
+    def record(self, round_index: int, drafted: Mapping[str, int]) -> DraftLag:
+        """Round `round_index` drafted for `drafted` (seq id -> its length when the round was planned)."""
+        before = {seq_id: self._seen.get(seq_id, (NEVER_DRAFTED, 0)) for seq_id in drafted}
+        last = {seq_id: at == round_index - 1 for seq_id, (at, _) in before.items()}
+        warm = all(last.values())
+        joined = any(last.values()) and all(last[s] or before[s][0] == NEVER_DRAFTED for s in drafted)
+        filled = sum(length - before[s][1] for s, length in drafted.items() if not last[s])
+        for seq_id, length in drafted.items():
+            self._seen[seq_id] = (round_index, length)
+        return DraftLag(warm, joined, filled)
+
+    def release(self, seq_id: str) -> None:
+        self._seen.pop(seq_id, None)
+
+
 class SpeculationBudget:
     """Per round: how deep to draft and how many nodes each row keeps, from measured costs when there are some.
 
     Without costs: the policy's k and `max_nodes`. With costs (policy `auto`), everything is priced in seconds per
-    token of the whole batch, measured online and seeded by calibration:
-    - verification costs are the calibrated grid times a factor learned from this engine's own decode rounds (the
-      grid was measured at one context length on a quiet machine; long contexts, other load and a remote verifier's
-      call overhead make real rounds dearer, and a budget that trusts the grid keeps drafting where it loses);
-    - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
-      verify(B, 2) + draft depth (re-checked now and then, so speculation comes back when load drops), and from
-      5 rows only while whole drafting rounds, once timed, yield tokens faster than rounds without the draft
-      (there a re-check drafts two rounds, the second timed, and comes half as often each time drafting still loses;
-      and while the model drafts, rounds without the draft are timed first and one round in 16 after, so that the
-      comparison exists whichever kind the run started with);
-    - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than the
-      depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token);
-    - after drafting, each row keeps the n best nodes, n chosen for the best modelled tokens per verification second
-      (n = 0 is a plain decoding step);
-    - in a round that does not draft, once this engine has timed enough decode rounds of both kinds at about this
-      batch size, lookup-only tree rounds are kept only while their measured seconds per token beat plain rounds'
-      (one round in 16 tries the other): the model prices nodes against one plain step, where a served plain round
-      takes several steps per target call and pays one call overhead for them.
-    Whole decode rounds are timed by kind (drafted / lookup-only tree / plain, and `nodraft` for the last two) per
-    batch-size bucket and shown in the router's stats; a drafting round counts only when its drafting rows drafted
-    the round before or are new to the draft (the engine says so): the first one after a pause also catches the draft
-    up on every token since, but filling a joining sequence's prompt is what drafting costs while sequences come and
-    go (timing warm rounds alone, served 8 rows drafted 26 rounds at 33 ms a token and caught up in 17 more, where
-    rounds without the draft took 26-27: session 23);
-    - a row the draft has not seen lately (new, or back after rounds without the draft) drafts only if its catch-up
-      pays: the tokens the draft must fill first x the draft's measured seconds per filled token, against what the
-      row's remaining tokens gain from drafting (measured drafting rounds against plain ones at this batch size, else
-      the first depth's modelled saving); an exploration round, or any row, may spend up to a row's share of one plain
-      step on it (from 2 rows: `CATCH_UP_FROM`). Served, the draft's catch-ups were the whole of S2D's loss at 8 rows
-      (5-9 s a level, mostly rows of 300 tokens caught up with 10-30 left as the level drained to 1-4 rows; session
-      23).
+    token of the whole batch, measured online and seeded by calibration (`plan`, `node_cap`). Verification costs are
+    the calibrated grid times a factor learned from this engine's own decode rounds (`scale`: the grid was measured at
+    one context length on an idle machine; long contexts, other load and a remote verifier's call overhead make real
+    rounds dearer, and a budget that trusts the grid keeps drafting where it loses). Whole decode rounds are timed by
+    kind (drafted / lookup-only tree / plain, and `nodraft` for the last two) per batch-size bucket and shown in the
+    router's stats (`measured`, `spent_by_kind`).
     """
 
-    EXPLORE_EVERY = 16  # a drafting (when modelled not to pay) or lookup-vs-plain exploration round this often
     MEASURED_AFTER = 3  # decode rounds of each kind at a batch size before their measured rates decide
-    # From this many rows, measured rounds also veto drafting the model would do: served at 8 rows, runs that drafted
-    # in most rounds lost to plain decoding (0.94-0.99x) where runs that drafted in few won (BENCHMARKS.md §3, session
-    # 9). Below it they do not: there the rounds that skip the draft are mostly lookup-alone rounds, chosen because a
-    # prompt-lookup match proposes well, so they look cheaper per token than drafting is (deciding by them lost 4-9%
-    # at batch 1, session 7).
+    # From this many rows, measured rounds also veto drafting the model would do: with many rows, runs that drafted in
+    # most rounds lost to plain decoding where runs that drafted in few won. Below it they do not: there the rounds
+    # that skip the draft are mostly lookup-alone rounds, chosen because a prompt-lookup match proposes well, so they
+    # look cheaper per token than drafting is, and deciding by them drafted less and lost at batch 1.
     MEASURED_DRAFT_FROM = 5
-    # There, while drafting is not chosen, exploring it is a pair of rounds (the catch-up, then a timed one) whose gap
-    # doubles from EXPLORE_EVERY up to this many times it: at a steady 8 rows each pair cost ~150 ms of catch-up and
-    # wide verification for nothing (BENCHMARKS.md §3, session 10).
-    EXPLORE_BACKOFF = 16
-    # And no such pair starts in a round that fills a prompt, nor ends on one: a prompt round is never timed (it costs
-    # what the prompt costs), so a pair there paid its catch-up for nothing; it waits for the next decode round.
+    FILL_SAMPLE_TOKENS = 16  # a catch-up teaches the fill cost from this many filled tokens (fewer: mostly noise)
+    # Catch-ups are priced from this many rows. At one row the only catch-up is a request's own prompt right after its
+    # prefill, held or drafted for the whole request on one comparison of one-row rounds; served, that comparison held
+    # nearly every prompt out of the draft and lost to drafting every prompt (lookup merged into the draft's trees is
+    # what pays there).
+    CATCH_UP_FROM = 2
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
         self.acceptance = AcceptanceModel()
+        self.rows = DraftRows()
+        self.exploration = Exploration()
         self.rounds = 0
         # EMAs: seconds per round, tokens per round (whole batch), draft seconds per depth, first-depth draft hits.
         self._round_s = self._round_tokens = self._depth_s = None
@@ -177,14 +138,10 @@ class SpeculationBudget:
         self.scale = 1.0  # measured verify seconds over the grid's, EMA over decode rounds
         # (batch bucket, kind) -> [EMA seconds, EMA tokens, rounds] of whole decode rounds
         self._kinds: dict[tuple[int, str], list[float]] = {}
-        # kind -> [rounds, seconds, tokens, draft seconds] of every round (prompt rounds and drafting rounds that caught up too): where
-        # the time went, for stats; the choices use `_kinds`
+        # kind -> [rounds, seconds, tokens, draft seconds] of every round (prompt rounds and drafting rounds that
+        # caught up too): where the time went, for stats; the choices use `_kinds`
         self.spent: dict[str, list[float]] = {}
         self._drafting = False  # this round's plan drafts
-        self._explore_gap: dict[int, int] = {}  # batch bucket (>= MEASURED_DRAFT_FROM rows) -> rounds between explorations
-        self._explore_second: int | None = None  # the bucket whose exploration's timed second round is next
-        self._explore_due: int | None = None  # the bucket whose exploration waits for a round without a prompt
-        self._idle_nodes: dict[int, tuple[int, int]] = {}  # batch bucket -> (rounds offered nodes and kept none, gap)
         self._fill_s: float | None = None  # EMA: draft seconds per token a catch-up filled
 
     @property
@@ -201,41 +158,61 @@ class SpeculationBudget:
     def _ema(old: float | None, new: float, alpha: float = 0.2) -> float:
         return new if old is None else (1 - alpha) * old + alpha * new
 
-    def observe_round(self, seconds: float, tokens: int, draft_seconds: float, depth: int,
-                      verify: tuple[float, int, int] | None = None, batch: int | None = None,
-                      nodes: int = 0, prompt: bool = False, warm: bool = True, filled: int = 0) -> None:
-        """A finished round of the whole batch: wall seconds, tokens emitted, draft seconds and the depth drafted;
-        `verify` = (seconds, batch, positions) of its verification when it was a one-step decode round (no prompt);
-        `batch` = its rows when the round is fit to time a kind of round by (no row filled a prompt, and every
-        drafting row drafted the round before or is new to the draft: the first draft after a pause catches up on
-        every token since, but filling a joining sequence's prompt is what drafting costs as sequences come and go),
-        else None; `nodes`: the most tree nodes a row verified; `prompt`: a row filled its prompt; `warm`: every
-        drafting row drafted the round before (the draft's time is its depths only); `filled`: tokens the draft caught
-        up on for rows that did not (their draft time beyond the depths is what a filled token costs)."""
+    def behind(self, seq_id: str, length: int) -> int:
+        """Tokens of a sequence `length` long that the draft must catch up on before it drafts for it."""
+        return self.rows.behind(seq_id, length)
+
+    def release(self, seq_id: str) -> None:
+        """A sequence finished or was aborted: forget what the draft had seen of it."""
+        self.rows.release(seq_id)
+
+    def end_round(self, obs: RoundObservation, drafted: Mapping[str, int]) -> None:
+        """The engine's report of a finished round: `obs` as measured (`batch`: its rows when none filled a prompt),
+        `drafted`: the rows the draft ran for (seq id -> length when the round was planned). What the draft had seen
+        of those rows decides `warm`, `filled` and whether the round is timed at all (`RoundObservation.batch`)."""
+        lag = self.rows.record(self.rounds, drafted)
+        timed = obs.batch if lag.warm or lag.joined else None
+        self.observe_round(replace(obs, batch=timed, warm=lag.warm, filled=lag.filled))
+
+    def observe_round(self, obs: RoundObservation) -> None:
+        """Learn from a finished round: its account by kind, the timed rates, and the costs it measured."""
         self.rounds += 1
-        kind = "prompt" if prompt else ("draft" if batch and warm else "catch-up") if depth > 0 else \
-            ("tree" if nodes > 0 else "plain")
-        spent = self.spent.setdefault(kind, [0, 0.0, 0, 0.0])
-        spent[0], spent[1], spent[2], spent[3] = spent[0] + 1, spent[1] + seconds, spent[2] + tokens, \
-            spent[3] + draft_seconds
-        if batch and tokens > 0:
-            names = ("draft",) if depth > 0 else ("tree" if nodes > 0 else "plain", "nodraft")
+        self._account(obs)
+        if obs.batch and obs.tokens > 0:
+            names = ("draft",) if obs.depth > 0 else ("tree" if obs.nodes > 0 else "plain", "nodraft")
             for name in names:
-                kind = self._kinds.setdefault((_bucket(batch), name), [seconds, float(tokens), 0.0])
-                kind[0], kind[1] = self._ema(kind[0], seconds), self._ema(kind[1], float(tokens))
+                kind = self._kinds.setdefault((_bucket(obs.batch), name), [obs.seconds, float(obs.tokens), 0.0])
+                kind[0], kind[1] = self._ema(kind[0], obs.seconds), self._ema(kind[1], float(obs.tokens))
                 kind[2] += 1
-        self._round_s = self._ema(self._round_s, seconds)
-        self._round_tokens = self._ema(self._round_tokens, float(tokens))
-        # A draft depth's cost is learned from warm drafting rounds only: a prompt round's draft time is mostly the
-        # draft filling the prompt, and a catch-up round's (the first draft after plain rounds, or a joining
-        # sequence's) mostly the draft catching up on every token since. Counting catch-ups put one depth at 27-36 ms
-        # where it costs 6-9 (fp32 here), and the budget then never drafted again to correct it (session 22).
-        if depth > 0 and verify is not None and batch and warm:
-            self._depth_s = self._ema(self._depth_s, draft_seconds / depth)
-        if depth > 0 and not prompt and filled >= self.FILL_SAMPLE_TOKENS and self.costs is not None:
+        self._round_s = self._ema(self._round_s, obs.seconds)
+        self._round_tokens = self._ema(self._round_tokens, float(obs.tokens))
+        self._learn_costs(obs)
+
+    def _account(self, obs: RoundObservation) -> None:
+        """Add the round to `spent` under its kind (prompt, draft, catch-up, tree, plain)."""
+        if obs.prompt:
+            kind = "prompt"
+        elif obs.depth > 0:
+            kind = "draft" if obs.batch and obs.warm else "catch-up"
+        else:
+            kind = "tree" if obs.nodes > 0 else "plain"
+        spent = self.spent.setdefault(kind, [0, 0.0, 0, 0.0])
+        spent[0], spent[1], spent[2], spent[3] = spent[0] + 1, spent[1] + obs.seconds, spent[2] + obs.tokens, \
+            spent[3] + obs.draft_seconds
+
+    def _learn_costs(self, obs: RoundObservation) -> None:
+        """A draft depth's cost from warm timed drafting rounds only: a prompt round's draft time is mostly the draft
+        filling the prompt, and a catch-up round's (the first draft after plain rounds, or a joining sequence's) mostly
+        the draft catching up on every token since; counting them priced a depth at several times its cost, and the
+        budget then never drafted again to correct it. A filled token's cost from catch-ups that filled enough tokens;
+        the verification scale from one-step decode rounds."""
+        depth, verify = obs.depth, obs.verify
+        if depth > 0 and verify is not None and obs.batch and obs.warm:
+            self._depth_s = self._ema(self._depth_s, obs.draft_seconds / depth)
+        if depth > 0 and not obs.prompt and obs.filled >= self.FILL_SAMPLE_TOKENS and self.costs is not None:
             prior = self._fill_prior()
-            rows = verify[1] if verify is not None else batch or 1
-            per_token = max(draft_seconds - depth * self.depth_seconds(rows), 0.0) / filled
+            rows = verify[1] if verify is not None else obs.batch or 1
+            per_token = max(obs.draft_seconds - depth * self.depth_seconds(rows), 0.0) / obs.filled
             self._fill_s = self._ema(self._fill_s, min(max(per_token, 0.1 * prior), 10.0 * prior))
         if verify is not None and self.costs is not None:
             v_s, batch, positions = verify
@@ -282,61 +259,36 @@ class SpeculationBudget:
         return self.scale * share * self.costs.verify(b, n) / (b * n) / 1000.0
 
     # --- decisions ----------------------------------------------------------------------------------------------
-    FILL_SAMPLE_TOKENS = 16  # a catch-up teaches the fill cost from this many filled tokens (fewer: mostly noise)
-    # Catch-ups are priced from this many rows. At one row the only catch-up is a request's own prompt right after its
-    # prefill, held or drafted for the whole request on one comparison of one-row rounds, and that comparison misled
-    # served: the router timed its one-row drafting rounds at 86-118 ms a token against plain rounds' 72-81, so the
-    # rule held nearly every prompt out of the draft, and S2D / AR at one row measured 0.80-1.11 (four runs) against
-    # 1.03-1.13 drafting every prompt (lookup merged into the draft's trees is what pays there; session 24).
-    CATCH_UP_FROM = 2
-
     def plan(self, batch: int, default_depth: int, prompts: int = 0,
              rows: list[tuple[int, int] | None] | None = None) -> RoundPlan:
         """This round's draft depth and node threshold for `batch` rows, `prompts` of which fill their prompt; `rows`:
         per row that may draft, (tokens the draft must catch up on first, tokens the row may still emit), None for a
-        row that may not (RoundPlan.hold: those whose catch-up does not pay)."""
+        row that may not. Without costs: `default_depth`. With costs:
+        - the draft runs at all only while a first depth pays for its whole cost: (1 + hit) * verify(B, 1) >
+          verify(B, 2) + draft depth (`_draft_pays`; from `MEASURED_DRAFT_FROM` rows measured whole rounds may veto
+          it, and `Exploration` drafts now and then where it does not pay, so that it comes back when load drops);
+        - a row drafts one depth deeper while its spine's path probability, mapped to acceptance, is worth more than
+          the depth costs: P(accept) * t_token > c_draft(B) / B (t_token: the batch's measured seconds per token;
+          `RoundPlan.min_score`);
+        - a row the draft has not seen lately (new, or back after rounds without the draft) drafts only if its
+          catch-up pays (`_unpaid_catch_ups`, `RoundPlan.hold`): with many rows, catching up rows with few tokens
+          left cost more than drafting gained them."""
         if self.costs is None:
             return RoundPlan(default_depth)
         if self.shape.width < 1 or self.max_depth < 1:
             return RoundPlan(0)
         needed = min(max(self.depth_seconds(batch) / (max(batch, 1) * self.token_seconds(batch)), 0.02), 0.95)
         hit = self._first_hit[0] / self._first_hit[1]
-        # Drafting pays only if a row's first node, at its hit rate, buys more tokens than its verification width and
-        # the draft forward cost the whole batch (re-checked now and then: acceptance and load change).
         self._drafting = False
         v1, v2 = self.verify_ms(batch, 1), self.verify_ms(batch, 2)
         if (1 + hit) * v1 <= v2:  # not even free drafts would pay at this batch size
             return RoundPlan(0)
-        # The draft's own choice is modelled; from MEASURED_DRAFT_FROM rows measured rounds may veto it (not below:
-        # deciding it by measured rounds at batch 1, tried in session 7, drafted less and lost 4-9% on Spec-Bench).
-        bucket, gated = _bucket(batch), batch >= self.MEASURED_DRAFT_FROM
-        gap = self._explore_gap.get(bucket, self.EXPLORE_EVERY) if gated else self.EXPLORE_EVERY
-        second, self._explore_second = self._explore_second == bucket, None
-        due, self._explore_due = self._explore_due == bucket, None
-        explore = second or due or self.rounds % gap == 0
-        draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
-        if draft and gated:
-            if self.measured_better(batch, "draft", "nodraft") is False:
-                draft = False  # whole drafting rounds measured slower per token than rounds without the draft
-            elif not prompts and (self._timed(bucket, "nodraft") < self.MEASURED_AFTER
-                                  or self.rounds % self.EXPLORE_EVERY == 0):
-                # The model drafts, but rounds without the draft were never (or not lately) timed at this size, so
-                # nothing could veto it: a run that drafted from its first round at 8 rows kept drafting at 26 ms a
-                # token where lookup-only rounds took 13-15 (BENCHMARKS.md §3, session 13). Time one (a decode round).
-                self._drafting = False
-                return RoundPlan(0)
-        chosen = draft
-        if gated and draft:
-            self._explore_gap.pop(bucket, None)
-        elif gated and explore and prompts:  # untimed: a pair waits; its second round drafts (keeps rows warm) and waits
-            self._explore_second, self._explore_due = (bucket, None) if second else (None, bucket)
-            explore = second
-        elif gated and explore and not second:
-            # The draft's first round after a pause catches up on every token since (at 8 rows, hundreds) and is not
-            # timed: explore two rounds so the second is (a veto can lift), half as often each time it did not.
-            self._explore_gap[bucket] = self._backed_off(gap)
-            self._explore_second = bucket
-        draft = draft or explore
+        chosen = self._draft_pays(batch, hit, v1, v2, prompts)
+        explore = self.exploration.drafts(self.rounds, _bucket(batch), batch >= self.MEASURED_DRAFT_FROM, chosen,
+                                          prompts)
+        if chosen is None:
+            return RoundPlan(0)
+        draft = chosen or explore
         hold: frozenset[int] = frozenset()
         if draft and rows and batch >= self.CATCH_UP_FROM:
             hold = self._unpaid_catch_ups(rows, batch, self._token_gain_ms(batch, v1, v2, hit) if chosen else 0.0, v1)
@@ -344,13 +296,29 @@ class SpeculationBudget:
         self._drafting = draft
         return RoundPlan(self.max_depth, self.acceptance.score_for(needed), hold) if draft else RoundPlan(0)
 
+    def _draft_pays(self, batch: int, hit: float, v1: float, v2: float, prompts: int) -> bool | None:
+        """Whether drafting pays this round: a row's first node, at its hit rate, buys more tokens than its
+        verification width and the draft forward cost the whole batch. From `MEASURED_DRAFT_FROM` rows, whole drafting
+        rounds measured slower per token than rounds without the draft veto it; and None while rounds without the draft
+        were never (or not lately) timed there: nothing could veto a run that drafted from its first round, so this
+        decode round is timed without the draft."""
+        draft = (1 + hit) * v1 > v2 + 1000.0 * self.depth_seconds(batch)
+        if not draft or batch < self.MEASURED_DRAFT_FROM:
+            return draft
+        if self.measured_better(batch, "draft", "nodraft") is False:
+            return False
+        if not prompts and (self._timed(_bucket(batch), "nodraft") < self.MEASURED_AFTER
+                            or self.exploration.times_without_draft(self.rounds)):
+            return None
+        return True
+
     def _token_gain_ms(self, batch: int, v1: float, v2: float, hit: float) -> float:
         """What drafting saves per token emitted at this batch size, ms: measured (plain rounds' ms a token less
         drafting rounds') once both kinds are timed here, else the first depth's modelled saving per round over the
         (1 + hit) tokens a row emits in one. Plain rounds, not all rounds without the draft: a row held out of the draft
         still gets lookup-alone rounds where its match is long, so those are no part of what drafting changes; the
-        first depth alone undervalued drafting at one row (fp32 here: 69 against 87 ms a token measured, the model
-        ~0), holding out the long prompts' draft for good."""
+        first depth alone undervalues drafting where deeper depths and lookup merges carry the gain, and held out the
+        long prompts' draft for good."""
         drafting, plain = self._token_s(batch, "draft"), self._token_s(batch, "plain")
         if drafting is not None and plain is not None:
             return max(1000.0 * (plain - drafting), 0.0)
@@ -359,9 +327,9 @@ class SpeculationBudget:
 
     def _unpaid_catch_ups(self, rows: list[tuple[int, int] | None], batch: int, gain_ms: float,
                           v1: float) -> frozenset[int]:
-        """Rows whose catch-up costs more than drafting can gain them: `gain_ms` a remaining token (0 in an
-        exploration), or at least a row's share of one plain step (what a round may spend to keep acceptance
-        measured)."""
+        """Rows whose catch-up (tokens behind x the draft's measured seconds per filled token) costs more than drafting
+        can gain them: `gain_ms` a remaining token (0 in an exploration), or at least a row's share of one plain step
+        (what a round may spend to keep acceptance measured)."""
         fill_ms = 1000.0 * self.fill_seconds()
         allowance = v1 / max(batch, 1)
         hold = set()
@@ -372,10 +340,6 @@ class SpeculationBudget:
             if behind * fill_ms > max(gain_ms * remaining, allowance):
                 hold.add(i)
         return frozenset(hold)
-
-    def _backed_off(self, gap: int) -> int:
-        """The next gap between explorations that keep not paying: doubled, at most EXPLORE_BACKOFF x EXPLORE_EVERY."""
-        return min(2 * gap, self.EXPLORE_EVERY * self.EXPLORE_BACKOFF)
 
     def _timed(self, bucket: int, kind: str) -> int:
         """Decode rounds of `kind` timed in a batch-size bucket."""
@@ -402,15 +366,18 @@ class SpeculationBudget:
 
     def node_cap(self, estimates: list[list[float]]) -> int:
         """Nodes per row (the same for every row: a batch is as wide as its widest row) that maximise modelled
-        tokens per verification second; 0 means a plain decoding step."""
+        tokens per verification second; 0 means a plain decoding step. In a round that does not draft, once this
+        engine has timed enough decode rounds of both kinds at about this batch size, lookup-only tree rounds are kept
+        only while their measured seconds per token beat plain rounds': the model prices nodes against one plain step,
+        where a served plain round takes several steps per target call and pays one call overhead for them."""
         cap = self.shape.max_nodes
         if self.costs is None:
             return cap
         batch = max(len(estimates), 1)
         widest = min(cap, max((len(e) for e in estimates), default=0))
-        if not self._drafting:  # lookup-only trees or plain rounds: measured once both are (one round in 16 explores)
+        if not self._drafting:
             trees = self.measured_better(batch, "tree", "plain")
-            if trees is not None and self.rounds % self.EXPLORE_EVERY == self.EXPLORE_EVERY // 2:
+            if trees is not None and self.exploration.flips_trees(self.rounds):
                 trees = not trees
             if trees is False:
                 return self._unpriced(batch, widest)
@@ -424,26 +391,16 @@ class SpeculationBudget:
                 best_n, best_rate = n, rate
         if best_n == 0:
             return self._unpriced(batch, widest)
-        self._idle_nodes.pop(_bucket(batch), None)
+        self.exploration.kept_nodes(_bucket(batch))
         return best_n
 
     def _unpriced(self, batch: int, offered: int) -> int:
-        """Nodes to verify in a round whose offered nodes the budget keeps none of: usually 0, but every
-        EXPLORE_EVERY-th such round at a batch size all of them. Unverified nodes teach the acceptance model nothing,
-        so estimates that a few unlucky rounds pushed below the pay line (or a measured round rate) would stay there
-        for good: on a CPU where two positions cost 1.5 one-row steps, 44 rejected lookup nodes in the first answer
-        of a Spec-Bench run kept lookup off for the other 13, where transformers' prompt lookup gained 10% on the
-        same outputs (BENCHMARKS.md §0, session 18). The gap doubles, up to EXPLORE_BACKOFF times, while the budget
-        still keeps no nodes after an exploration; it resets once it keeps some."""
+        """Nodes to verify in a round whose `offered` nodes the budget keeps none of: 0, or all of them when
+        `Exploration` says so (a CPU where two positions cost one and a half steps kept lookup off for good after a few
+        rejected lookup nodes early in a run, where prompt lookup would have paid)."""
         if offered == 0:
             return 0
-        bucket = _bucket(batch)
-        since, gap = self._idle_nodes.get(bucket, (0, self.EXPLORE_EVERY))
-        if since + 1 < gap:
-            self._idle_nodes[bucket] = (since + 1, gap)
-            return 0
-        self._idle_nodes[bucket] = (0, self._backed_off(gap))
-        return offered
+        return offered if self.exploration.verifies_idle_nodes(_bucket(batch)) else 0
 
 
 def _bucket(batch: int) -> int:

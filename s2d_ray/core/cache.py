@@ -94,11 +94,10 @@ class SlotKVCache:
         first = int(rows.min())
         self.reserve(int(rows.max()) + 1, max(kv_len, int(positions.max()) + 1))
         # Rows first..first+n-1 in order (callers sort their batch by row): attention reads a view of the cache.
-        # Any other set is gathered, a copy of every layer's K/V per call (measured: about half of an 8-row round
-        # over mixed contexts on this CPU), unless the attention reads the covering range's view run by run: served
-        # passes skip rows often (a plain call's later steps run the rows still stepping; a prompt round's decode
-        # rows skip the row being prefilled), and the gather cost 3.1 s of forward per 1,000 tokens served at 8
-        # rows against 0.7 in-process (BENCHMARKS.md §3, session 12).
+        # Any other set is gathered, a copy of every layer's K/V per call (a large share of a many-row round over
+        # mixed contexts on the CPU), unless the attention reads the covering range's view run by run: served passes
+        # skip rows often (a plain call's later steps run the rows still stepping; a prompt round's decode rows skip
+        # the row being prefilled), so gathering made served forwards several times dearer than in-process ones.
         span = torch.arange(first, first + rows.numel(), device=rows.device)
         in_order = bool((rows == span).all())
         self.num_passes += 1
@@ -170,6 +169,37 @@ class SlotKVCache:
                 t[row].zero_()
 
 
+class HiddenStore:
+    """Hidden states at each inner exit, [rows, slots, h], kept for lazily filling deeper layers later.
+
+    Rows and slots grow independently (amortised doubling of the short dimension only), capped like the KV cache
+    (`max_rows`, `max_slots`), so this store's size is bounded by max_rows x max_slots x hidden x inner exits.
+    """
+
+    def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.bufs = [torch.zeros(1, 16, hidden, dtype=dtype, device=device) for _ in range(num)]
+        self.max_rows: int | None = None
+        self.max_slots: int | None = None
+
+    def reserve(self, rows: int, slots: int) -> None:
+        for i, b in enumerate(self.bufs):
+            new_rows, new_slots = grown(b.shape[0], rows, self.max_rows), grown(b.shape[1], slots, self.max_slots)
+            if (new_rows, new_slots) != tuple(b.shape[:2]):
+                nb = b.new_zeros(new_rows, new_slots, b.shape[2])
+                nb[: b.shape[0], : b.shape[1]] = b
+                self.bufs[i] = nb
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs)
+
+    @torch.no_grad()
+    def move_slots(self, row: int, src: list[int], dst_start: int) -> None:
+        """Copy the kept states of slots `src` (in order) to consecutive slots from `dst_start` (a tree's path)."""
+        self.reserve(row + 1, max(src) + 1)  # a leaf of the path was never forwarded: its slot may lie past the end
+        for b in self.bufs:
+            b[row, dst_start : dst_start + len(src)] = b[row, torch.tensor(src, device=b.device)]
+
+
 def causal_allowed(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
     """[n, s, kv_len] bool: a token at slot p sees slots 0..p of its own row."""
     slots = torch.arange(kv_len, device=positions.device)
@@ -190,7 +220,7 @@ def slot_mask(positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch
 def head_mask(mask: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[n, 1, s, kv] -> [n, heads, s, kv] as SDPA takes it fastest on the mask's device.
 
-    CPU SDPA is ~10x slower with a head-broadcast mask (measured), so there each head gets its own materialised
+    CPU SDPA is many times slower with a head-broadcast mask, so there each head gets its own materialised
     copy; CUDA kernels read the broadcast view (stride 0 over heads) at no cost, and a copy would only spend memory
     bandwidth (heads x s x kv elements per layer call)."""
     view = mask.expand(-1, num_heads, -1, -1)

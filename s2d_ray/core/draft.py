@@ -7,28 +7,25 @@ the next token that goes deeper first pushes those kept states through the missi
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError, RequestError
-from .cache import SlotKVCache, grown
+from .cache import HiddenStore, SlotKVCache
+from .errors import ModelLoadError, RequestError
 from .frontier import DraftTree, commit_path, expand_frontier
+from .kernels import STOCK, Kernels
 from .sampling import logits_to_probs, round_generator, sample
 from .stack import (PREFILL_CHUNK, DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups,
                     pending_grid)
-from .types import DraftRequest, Proposal, SamplingParams
+from .types import DraftRequest, Proposal
 
 logger = logging.getLogger(__name__)
-
-DRAFT_CONFIG = "s2d_draft.json"
-DRAFT_WEIGHTS = "draft.safetensors"
 
 
 class Drafter(Protocol):
@@ -60,10 +57,11 @@ class DraftSpec:
 
 
 class SortedDraft(nn.Module):
-    """A nested multi-exit draft. `layers` are its own (trained) or the base's first L (a cut, untrained draft)."""
+    """A nested multi-exit draft. `layers` are its own (trained) or the base's first L (a cut, untrained draft);
+    `kernels` (core/kernels.py): how its layer stack attends and projects. Saved and loaded by models/drafts.py."""
 
     def __init__(self, parts: DecoderParts, spec: DraftSpec, layers: nn.ModuleList | None = None,
-                 vocab_ids: torch.Tensor | None = None) -> None:
+                 vocab_ids: torch.Tensor | None = None, kernels: Kernels = STOCK) -> None:
         super().__init__()
         spec.validate()
         if vocab_ids is not None:  # a copy: the caller's spec (maybe another draft's) stays as it was
@@ -74,89 +72,36 @@ class SortedDraft(nn.Module):
         self.layers = layers
         # The base's parts with the draft's own layers: the base's other layers stay unreferenced, so a draft loaded
         # on a base of its own (the draft deployment) holds the embedding, norm, head and its L layers, not the
-        # whole base model (for a 7B family, ~13 GB of layers it never runs).
+        # whole base model (for a large family, most of its weights, in layers the draft never runs).
         self.parts = replace(parts, layers=layers)
         self.vocab_ids = vocab_ids
-        self.stack = LayerStack(self.parts, spec.exit_layers, layers=self.layers, vocab_ids=vocab_ids)
+        self.kernels = kernels
+        self.stack = LayerStack(self.parts, spec.exit_layers, layers=self.layers, vocab_ids=vocab_ids, kernels=kernels)
 
     @classmethod
     def cut(cls, base_model: nn.Module, base_source: str, num_layers: int, exit_layers: list[int] | None = None,
-            thresholds: list[float] | None = None, copy_layers: bool = False) -> "SortedDraft":
+            thresholds: list[float] | None = None, copy_layers: bool = False, kernels: Kernels = STOCK
+            ) -> "SortedDraft":
         """An untrained draft from the base's first `num_layers` layers (shared, or copied for training)."""
         parts = decoder_parts(base_model)
         exit_layers = exit_layers or default_exits(num_layers)
         thresholds = thresholds if thresholds is not None else paper_thresholds(len(exit_layers))
-        layers = None
-        if copy_layers:
-            import copy
-
-            layers = nn.ModuleList(copy.deepcopy(list(parts.layers)[:num_layers]))
+        layers = nn.ModuleList(copy.deepcopy(list(parts.layers)[:num_layers])) if copy_layers else None
         spec = DraftSpec(base_source, num_layers, list(exit_layers), list(thresholds))
-        return cls(parts, spec, layers)
+        return cls(parts, spec, layers, kernels=kernels)
 
     def with_exits(self, exit_layers: list[int], thresholds: list[float] | None = None) -> "SortedDraft":
         """The same weights with other exits (e.g. `exit:L` baselines use a single exit)."""
         thresholds = thresholds if thresholds is not None else paper_thresholds(len(exit_layers))
         spec = replace(self.spec, exit_layers=list(exit_layers), thresholds=list(thresholds),
                        provenance=dict(self.spec.provenance))
-        return SortedDraft(self.parts, spec, self.layers, self.vocab_ids)
+        return SortedDraft(self.parts, spec, self.layers, self.vocab_ids, self.kernels)
 
     def with_vocab(self, vocab_ids: torch.Tensor | None) -> "SortedDraft":
         """The same draft proposing only from `vocab_ids` (sorted token ids), or from the full vocabulary."""
         spec = replace(self.spec, reduced_vocab=None, provenance=dict(self.spec.provenance))
         ids = None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long).sort().values
-        return SortedDraft(self.parts, spec, self.layers, ids)
-
-    # --- persistence: only what differs from the base is stored -------------------------------------------------
-    def save(self, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-        from safetensors.torch import save_file
-
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {f"layers.{k}": v for k, v in self.layers.state_dict().items()}
-        if self.spec.trained_norm_head:
-            tensors.update({f"norm.{k}": v for k, v in self.parts.norm.state_dict().items()})
-            if self.vocab_ids is None:
-                tensors.update({f"head.{k}": v for k, v in self.parts.head.state_dict().items()})
-            else:  # only the rows the draft proposes from: 8k rows are ~9 MB in bf16, the full head ~56 MB
-                tensors["head_rows"] = self.parts.head.weight[self.vocab_ids]
-        tensors = {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}
-        if self.vocab_ids is not None:
-            tensors["vocab_ids"] = self.vocab_ids.to(torch.int64).contiguous()
-        save_file(tensors, str(directory / DRAFT_WEIGHTS))
-        (directory / DRAFT_CONFIG).write_text(json.dumps(asdict(self.spec), indent=2))
-
-    @classmethod
-    def load(cls, directory: Path, base_model: nn.Module) -> "SortedDraft":
-        """Load layer weights from `directory`; embedding (and norm/head unless trained) come from the base."""
-        import copy
-
-        from safetensors.torch import load_file
-
-        cfg_path, w_path = directory / DRAFT_CONFIG, directory / DRAFT_WEIGHTS
-        if not cfg_path.exists() or not w_path.exists():
-            raise ModelLoadError(f"{directory} is not a draft directory: need {DRAFT_CONFIG} and {DRAFT_WEIGHTS}")
-        spec = DraftSpec(**json.loads(cfg_path.read_text()))
-        parts = decoder_parts(base_model)
-        dtype = parts.head.weight.dtype
-        tensors = load_file(str(w_path))
-        layers = nn.ModuleList(copy.deepcopy(list(parts.layers)[: spec.num_layers]))
-        layers.load_state_dict(_strip(tensors, "layers."), strict=True)
-        if spec.trained_norm_head:
-            parts = copy.copy(parts)
-            parts.norm, parts.head = copy.deepcopy(parts.norm), copy.deepcopy(parts.head)
-            parts.norm.load_state_dict(_strip(tensors, "norm."))
-            if "head_rows" in tensors:  # reduced vocabulary: the trained rows over the base head (others unused)
-                with torch.no_grad():
-                    parts.head.weight[tensors["vocab_ids"]] = tensors["head_rows"].to(parts.head.weight.dtype)
-            else:
-                parts.head.load_state_dict(_strip(tensors, "head."))
-        draft = cls(parts, spec, layers, tensors.get("vocab_ids")).to(dtype)
-        draft.requires_grad_(False)
-        return draft
-
-
-def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        return SortedDraft(self.parts, spec, self.layers, ids, self.kernels)
 
 
 def default_exits(num_layers: int) -> list[int]:
@@ -177,37 +122,6 @@ class _StepOut:
     exits: list[int]
 
 
-class HiddenStore:
-    """Hidden states at each inner exit, [rows, slots, h], kept for lazily filling deeper layers later.
-
-    Rows and slots grow independently (amortised doubling of the short dimension only), capped like the KV cache
-    (`max_rows`, `max_slots`), so this store's size is bounded by max_rows x max_slots x hidden x inner exits.
-    """
-
-    def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.bufs = [torch.zeros(1, 16, hidden, dtype=dtype, device=device) for _ in range(num)]
-        self.max_rows: int | None = None
-        self.max_slots: int | None = None
-
-    def reserve(self, rows: int, slots: int) -> None:
-        for i, b in enumerate(self.bufs):
-            new_rows, new_slots = grown(b.shape[0], rows, self.max_rows), grown(b.shape[1], slots, self.max_slots)
-            if (new_rows, new_slots) != tuple(b.shape[:2]):
-                nb = b.new_zeros(new_rows, new_slots, b.shape[2])
-                nb[: b.shape[0], : b.shape[1]] = b
-                self.bufs[i] = nb
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.bufs)
-
-    @torch.no_grad()
-    def move_slots(self, row: int, src: list[int], dst_start: int) -> None:
-        """Copy the kept states of slots `src` (in order) to consecutive slots from `dst_start` (a tree's path)."""
-        self.reserve(row + 1, max(src) + 1)  # a leaf of the path was never forwarded: its slot may lie past the end
-        for b in self.bufs:
-            b[row, dst_start : dst_start + len(src)] = b[row, torch.tensor(src, device=b.device)]
-
-
 class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
 
@@ -220,7 +134,7 @@ class SortedDrafter:
             self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda" and self.stack.graphs is None:
             self.stack.use_graphs()  # each segment's forwards as CUDA graphs (core/graphs.py)
-        self.stack.use_packed_linears()  # CPU: projections on packed weights where faster (core/linear.py)
+        self.stack.use_fast_projections()  # the backend's projections (on the CPU: packed weights where faster)
         self.exit_layers = draft.spec.exit_layers
         self.thresholds = draft.spec.thresholds
         self.stop_confidence = stop_confidence  # stop drafting a sequence when its q(x) falls below this
@@ -275,7 +189,8 @@ class SortedDrafter:
         if roots:
             rows = sorted(roots)
             trees = expand_frontier(self, [requests[i] for i in rows], [states[i] for i in rows],
-                                    [roots[i] for i in rows], [props[i] for i in rows])
+                                    [roots[i] for i in rows], [props[i] for i in rows],
+                                    [self._thresholds(requests[i]) for i in rows])
             for i, tree in zip(rows, trees):
                 self.trees[requests[i].seq_id] = (states[i], tree)
         return props
@@ -387,8 +302,10 @@ class SortedDrafter:
                 break
         return _StepOut(torch.stack(logits_out), exits)
 
-    def _segment_input(self, seg: int, sub: list[RowState], positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Segment 0 embeds tokens; deeper segments read kept hidden states of the previous exit. Dummies copy a real one."""
+    def _segment_input(self, seg: int, sub: list[RowState], positions: torch.Tensor,
+                       valid: torch.Tensor) -> torch.Tensor:
+        """Segment 0 embeds tokens; deeper segments read kept hidden states of the previous exit. Dummies copy a real
+        one."""
         device = self.stack.device
         clamped = torch.minimum(positions, (positions * valid).amax(1, keepdim=True))
         if seg == 0:

@@ -5,31 +5,31 @@ A round, for every unfinished sequence at once:
   2. propose: the drafter drafts up to k tokens (with q when sampling);
   3. verify: the verifier scores committed + draft tokens in one batched target forward (k + 1 logits each);
   4. accept: the sampler keeps a prefix and draws one target token (recovered or bonus);
-  5. commit: append, apply stops, update the policy. KV rollback happens on the next sync (common-prefix cut).
-The drafter and verifier are injected (in-process objects, or Ray deployment handles behind the same calls), and
-plain decoding is the same loop with no drafter.
+  5. commit: append, apply stops, update the policy. KV rollback happens on the next sync (common-prefix cut);
+  6. report: the round's measured cost and yield go to the load-aware budget, which sizes the next round.
+The drafter and verifier are injected (in-process objects, or deployment clients behind the same calls), and plain
+decoding is the same loop with no drafter. The round is written once (`SpecEngine._round`) and run by a synchronous
+driver (`step`) or an asynchronous one (`step_async`, whose calls may answer awaitables).
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
-from .budget import SpeculationBudget
+from .budget import RoundObservation, SpeculationBudget
+from .calls import Calls, drive, drive_async
 from .draft import Drafter
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .policy import DraftLengthPolicy, HeuristicK
 from .sampling import Sampler, rejection_sample, round_generator
-from .steps import score_steps
+from .steps import stepped_scores
 from .target import Verifier
 from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
-
-NEVER_DRAFTED = -2  # a sequence's `drafted_at` before its first drafting round
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,6 @@ class _Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
-    drafted_at: int = NEVER_DRAFTED  # the budget's round this sequence last drafted in
-    draft_len: int = 0  # tokens the draft has seen of this sequence (as of its last drafting round)
-    planned_len: int = 0  # len(tokens) when this round was planned
 
     @property
     def tokens(self) -> list[int]:
@@ -104,7 +101,7 @@ class SpecEngine:
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
         # Greedy steps per verifier call in a round where no row has draft tokens (ScoreRequest.steps): the router
-        # sets it (each call costs a Ray round trip); a verifier that ignores `steps` answers one step, still exact.
+        # asks for several (each call costs a deployment round trip); one step per call gives the same tokens.
         self.plain_steps = plain_steps
         self.policy = policy or HeuristicK()
         # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
@@ -131,8 +128,11 @@ class SpecEngine:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self._release(seq_id)
+            if self.budget is not None:
+                self.budget.release(seq_id)
 
     def _release(self, seq_id: str) -> None:
+        """Free a finished or aborted sequence's KV on drafter and verifier."""
         self.verifier.release(seq_id)
         if self.drafter is not None:
             self.drafter.release(seq_id)
@@ -141,16 +141,60 @@ class SpecEngine:
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
-    # --- one round, in steps the sync and async drivers share -----------------------------------------------------
-    def plan(self) -> tuple[list[_Sequence], list[DraftRequest]]:
+    def live_ids(self) -> list[str]:
+        """The ids of the sequences a round runs over, in admission order."""
+        return list(self.seqs)
+
+    @property
+    def _sized(self) -> bool:
+        """Whether the budget sizes rounds from measured costs (and learns from every round)."""
+        return self.budget is not None and self.budget.load_aware
+
+    # --- drivers -----------------------------------------------------------------------------------------------
+    def step(self, only: Collection[str] | None = None) -> list[StepOutput]:
+        """One round over the live sequences (`only`: just those ids), its calls answered in place."""
+        return drive(self._round(only))
+
+    async def step_async(self, only: Collection[str] | None = None) -> list[StepOutput]:
+        """The same round where propose and score may answer awaitables (deployment clients); used by the router."""
+        return await drive_async(self._round(only))
+
+    # --- one round, written once for both drivers ---------------------------------------------------------------
+    def _round(self, only: Collection[str] | None) -> Calls[list[StepOutput]]:
+        """Steps 1-6 over the live sequences (`only`: just those ids; the others are left as they are). Yields each
+        drafter and verifier call's answer and is sent back its value (core/calls.py)."""
+        live = self._live(only)
+        if not live:
+            return []
+        lengths = [len(seq.tokens) for seq in live]  # as planned (commit appends)
+        drafts = self.plan(live)
+        t0 = time.perf_counter()
+        drafted = yield from self._propose(drafts)
+        proposals = self.shape_trees(live, drafted)
+        t1 = time.perf_counter()
+        requests = self.score_requests(drafts, proposals)
+        logits = yield from stepped_scores(self.verifier.score, requests)
+        t2 = time.perf_counter()
+        facts = self._round_facts(live, requests, proposals, (t0, t1, t2)) if self._sized else {}  # before commit
+        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+        if self._sized:
+            self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
+        return outputs
+
+    def _live(self, only: Collection[str] | None) -> list[_Sequence]:
+        if only is None:
+            return list(self.seqs.values())
+        if isinstance(only, str):
+            raise TypeError("only: a collection of sequence ids, not one id")
+        wanted = set(only)
+        return [seq for seq in self.seqs.values() if seq.req.seq_id in wanted]
+
+    def plan(self, live: list[_Sequence]) -> list[DraftRequest]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
-        live = list(self.seqs.values())
-        for seq in live:
-            seq.planned_len = len(seq.tokens)
         plan = None
-        if self.budget is not None and self.budget.load_aware and self.drafter is not None:
+        if self._sized and self.drafter is not None:
             # Per row that may draft: what the draft must catch up on first, and what drafting can still gain it.
-            rows = [(len(seq.tokens) - seq.draft_len, self._remaining(seq))
+            rows = [(self.budget.behind(seq.req.seq_id, len(seq.tokens)), self._remaining(seq))
                     if seq.generated and seq.req.speculate and self._remaining(seq) > 0 else None for seq in live]
             plan = self.budget.plan(len(live), 0, prompts=sum(not seq.generated for seq in live), rows=rows)
         width = self.budget.shape.width if self.trees else 1
@@ -168,7 +212,7 @@ class SpecEngine:
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
                                        tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
                                        frontier=frontier))
-        return live, drafts
+        return drafts
 
     def _remaining(self, seq: _Sequence) -> int:
         """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
@@ -178,6 +222,20 @@ class SpecEngine:
         if self.max_context is not None:
             remaining = min(remaining, self.max_context - len(seq.tokens) - 1)
         return remaining
+
+    def _propose(self, drafts: list[DraftRequest]) -> Calls[list[Proposal]]:
+        """Step 2: the drafter's proposals; empty for rows that draft nothing this round (a plain row, the last
+        token): those never reach the drafter, so it holds no row for a sequence that opted out and ships nothing."""
+        ask = [i for i, d in enumerate(drafts) if d.k > 0 or d.tree] if self.drafter is not None else []
+        if not ask:
+            return [Proposal.empty() for _ in drafts]
+        if len(ask) == len(drafts):
+            return (yield self.drafter.propose(drafts))
+        got = yield self.drafter.propose([drafts[i] for i in ask])
+        out = [Proposal.empty() for _ in drafts]
+        for i, p in zip(ask, got):
+            out[i] = p
+        return out
 
     def shape_trees(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
         """Between propose and verify: keep each tree's most likely nodes, as many as the modelled cost pays for
@@ -316,94 +374,29 @@ class SpecEngine:
                 return n
         return None
 
-    # --- drivers -----------------------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        """One synchronous round over all live sequences (in-process drafter and verifier)."""
-        live, drafts = self.plan()
-        if not live:
-            return []
-        t0 = time.perf_counter()
-        drafted = self._propose(drafts)
-        proposals = self.shape_trees(live, drafted)
-        t1 = time.perf_counter()
-        requests = self.score_requests(drafts, proposals)
-        logits = score_steps(self.verifier.score, requests)
-        t2 = time.perf_counter()
-        facts = self._round_facts(live, requests, proposals, t2 - t1)  # before commit gives prompt rows a token
-        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
-        return self._observed(outputs, drafted, t0, t1, live, *facts)
-
-    async def step_async(self) -> list[StepOutput]:
-        """The same round where propose/score may return awaitables (Ray handle clients); used by the router."""
-        live, drafts = self.plan()
-        if not live:
-            return []
-        t0 = time.perf_counter()
-        drafted = await _maybe_await(self._propose(drafts))
-        proposals = self.shape_trees(live, drafted)
-        t1 = time.perf_counter()
-        requests = self.score_requests(drafts, proposals)
-        logits = await _maybe_await(self.verifier.score(requests))
-        t2 = time.perf_counter()
-        facts = self._round_facts(live, requests, proposals, t2 - t1)  # before commit gives prompt rows a token
-        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
-        return self._observed(outputs, drafted, t0, t1, live, *facts)
-
-    def _observed(self, outputs: list[StepOutput], proposals: list[Proposal], t0: float, t1: float,
-                  live: list[_Sequence], verify: tuple[float, int, int] | None, decode: bool,
-                  nodes: int) -> list[StepOutput]:
-        """Feed the round's measured cost and yield to the load-aware budget (`proposals`: as drafted, before the
-        node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
-        if self.budget is not None and self.budget.load_aware:
-            trees = [_as_tree(p) for p in proposals]  # drafted nodes have q > 0 (lookup-only nodes score 0)
-            depths = [max((d for d, s in zip(t.depths(), t.scores) if s > 0), default=0) for t in trees]
-            drafted = [seq for seq, d in zip(live, depths) if d > 0]
-            # warm: every drafting row also drafted last round (else the draft caught up on a prompt or a pause).
-            # joined: the rows that did not are new to the draft, beside rows that are warm: the draft fills each
-            # joining sequence's prompt once, a cost drafting pays for every sequence that joins, so the round is
-            # timed with drafting rounds (not for a depth's cost). A round that resumes drafting after a pause is not.
-            rounds = self.budget.rounds
-            last = [seq.drafted_at == rounds - 1 for seq in drafted]
-            warm = all(last)
-            joined = any(last) and all(w or seq.drafted_at == NEVER_DRAFTED for w, seq in zip(last, drafted))
-            filled = sum(seq.planned_len - seq.draft_len for seq, w in zip(drafted, last) if not w)
-            for seq in drafted:
-                seq.drafted_at, seq.draft_len = rounds, seq.planned_len
-            self.budget.observe_round(time.perf_counter() - t0, sum(len(o.new_tokens) for o in outputs), t1 - t0,
-                                      max(depths, default=0), verify,
-                                      batch=len(live) if decode and (warm or joined) else None, nodes=nodes,
-                                      prompt=not decode, warm=warm, filled=filled)
-        return outputs
-
-    @staticmethod
-    def _round_facts(live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
-                     seconds: float) -> tuple[tuple | None, bool, int]:
-        """What the budget learns a round by, read before commit: the verification (seconds, batch, positions) when
-        it was a one-step decode round, else None (a prompt round costs what the prompt costs, not what the grid
-        models); whether no row filled its prompt; the most tree nodes a row verified."""
+    def _round_facts(self, live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
+                     times: tuple[float, float, float]) -> dict[str, Any]:
+        """What the budget learns a round by that commit changes (`RoundObservation` fields): the draft's seconds,
+        whether a row filled its prompt (`prompt`; else `batch`, the rows, for a round that may be timed), the
+        verification when it was a one-step decode round, and the most tree nodes a row verified."""
+        t0, t1, t2 = times
         decode = all(seq.generated for seq in live)
         one_step = decode and not any(r.steps > 1 for r in requests)
-        verify = (seconds, len(requests), max(r.num_logits for r in requests)) if one_step else None
-        return verify, decode, max((len(p.tokens) for p in proposals), default=0)
+        verify = (t2 - t1, len(requests), max(r.num_logits for r in requests)) if one_step else None
+        return dict(draft_seconds=t1 - t0, verify=verify, batch=len(live) if decode else None, prompt=not decode,
+                    nodes=max((len(p.tokens) for p in proposals), default=0))
 
-    def _propose(self, drafts: list[DraftRequest]) -> Any:
-        """The drafter's proposals (a list, or an awaitable of one from a remote drafter); empty for rows that draft
-        nothing this round (a plain row, the last token): those never reach the drafter, so it holds no row for a
-        sequence that opted out and ships nothing for it."""
-        ask = [i for i, d in enumerate(drafts) if d.k > 0 or d.tree] if self.drafter is not None else []
-        if ask and len(ask) == len(drafts):
-            return self.drafter.propose(drafts)
-
-        def placed(got: list[Proposal]) -> list[Proposal]:
-            out = [Proposal.empty() for _ in drafts]
-            for i, p in zip(ask, got):
-                out[i] = p
-            return out
-
-        if not ask:
-            return placed([])
-        got = self.drafter.propose([drafts[i] for i in ask])
-        return _then(got, placed) if inspect.isawaitable(got) else placed(got)
+    def _report(self, live: list[_Sequence], lengths: list[int], drafted: list[Proposal], outputs: list[StepOutput],
+                facts: dict[str, Any]) -> None:
+        """Step 6: the round's measured cost and yield, to the load-aware budget (`drafted`: the proposals as drafted,
+        before the node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
+        depths = [_drafted_depth(p) for p in drafted]
+        rows = {seq.req.seq_id: n for seq, n, d in zip(live, lengths, depths) if d > 0}
+        obs = RoundObservation(tokens=sum(len(o.new_tokens) for o in outputs), depth=max(depths, default=0), **facts)
+        self.budget.end_round(obs, rows)
+        for seq in live:
+            if seq.req.seq_id not in self.seqs:  # finished, or aborted while the round was in flight
+                self.budget.release(seq.req.seq_id)
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Decode all requests together until each finishes; results in request order."""
@@ -424,6 +417,12 @@ class SpecEngine:
         ]
 
 
+def _drafted_depth(prop: Proposal) -> int:
+    """How deep the draft itself ran for a proposal: its deepest node with q > 0 (lookup-only nodes score 0)."""
+    tree = _as_tree(prop)
+    return max((d for d, s in zip(tree.depths(), tree.scores) if s > 0), default=0)
+
+
 def _as_tree(prop: Proposal) -> TokenTree:
     n = len(prop.tokens)
     parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
@@ -441,11 +440,3 @@ def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None 
     if path is None:
         return p_logits[:n_emitted]
     return p_logits[[0] + [i + 1 for i in path]][:n_emitted]
-
-
-async def _then(awaitable: Any, fn: Callable[[Any], Any]) -> Any:
-    return fn(await awaitable)
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value

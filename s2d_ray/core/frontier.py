@@ -5,7 +5,7 @@ A sequence's draft tree lives in the draft's own cache after its P committed tok
 position P - 1 + depth(i), attending to the committed prefix, its ancestors and itself (the target's tree layout,
 core/target.py). A node's children are its top-`width` tokens, scored by the product of draft probabilities along the
 path; the next depth expands the best `frontier` of the nodes just added (EAGLE-2's rule). Every candidate is
-deterministic, so any such choice keeps acceptance exact (core/tree.py, TREES.md rule 4).
+deterministic, so any such choice keeps acceptance exact (core/tree.py).
 
 Adaptive exits per node: each frontier node leaves at the shallowest exit that is confident enough. A node going
 deeper than one of its ancestors (or than the committed prefix) first pushes those through the missing layers, in
@@ -20,18 +20,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from .cache import causal_allowed
-from .stack import PendingTree, RowState, length_groups
+from .cache import HiddenStore, SlotKVCache, causal_allowed
+from .stack import LayerStack, PendingTree, RowState, length_groups
 from .target import widen
 from .tree import TokenTree, ancestor_mask
+from .types import DraftRequest, Proposal
 
-if TYPE_CHECKING:  # the drafter imports this module
-    from .draft import SortedDrafter
-    from .types import DraftRequest, Proposal
+
+class FrontierDrafter(Protocol):
+    """What frontier expansion uses of a drafter (core/draft.py's SortedDrafter): its layer stack and exits, its KV
+    cache and kept hidden states, and the confidence below which a node is not expanded."""
+
+    stack: LayerStack
+    cache: SlotKVCache
+    hidden: HiddenStore
+    exit_layers: list[int]
+    stop_confidence: float
 
 
 @dataclass
@@ -113,10 +121,12 @@ def tree_grid(trees: list[DraftTree], firsts: list[int], nodes: list[list[int]],
     return slots.to(device), rope.to(device), allowed.to(device), valid.to(device)
 
 
-def expand_frontier(drafter: "SortedDrafter", requests: list["DraftRequest"], states: list[RowState],
-                    roots: list[tuple[torch.Tensor, int]], props: list["Proposal"]) -> list[DraftTree]:
+def expand_frontier(drafter: FrontierDrafter, requests: list[DraftRequest], states: list[RowState],
+                    roots: list[tuple[torch.Tensor, int]], props: list[Proposal],
+                    thresholds: list[Sequence[float]]) -> list[DraftTree]:
     """Grow each request's tree from its root logits (already computed: the drafter's first step), one batched
-    forward per further depth, and fill `props` with the nodes (topological order, scores = path probabilities)."""
+    forward per further depth, and fill `props` with the nodes (topological order, scores = path probabilities).
+    thresholds: per request, one tau per exit."""
     trees = [DraftTree(len(st.tokens), st.row, len(drafter.exit_layers)) for st in states]
     frontier = []  # per row: nodes to expand next, with the logits that chose them already known
     for req, tree, (logits, exit_layer) in zip(requests, trees, roots):
@@ -125,7 +135,7 @@ def expand_frontier(drafter: "SortedDrafter", requests: list["DraftRequest"], st
     while any(frontier):
         live = [r for r, f in enumerate(frontier) if f]
         out = _frontier_step(drafter, [states[r] for r in live], [trees[r] for r in live], [frontier[r] for r in live],
-                             [drafter._thresholds(requests[r]) for r in live])
+                             [thresholds[r] for r in live])
         for (r, per_node) in zip(live, out):
             req, tree, added = requests[r], trees[r], []
             for node, (logits, exit_layer) in per_node.items():
@@ -149,7 +159,7 @@ def _children(tree: DraftTree, parent: int, base: float, logits: torch.Tensor, e
     return out
 
 
-def _select(tree: DraftTree, added: list[int], req: "DraftRequest", depth: int, stop_confidence: float) -> list[int]:
+def _select(tree: DraftTree, added: list[int], req: DraftRequest, depth: int, stop_confidence: float) -> list[int]:
     """The next frontier: the `frontier` best of the nodes just added, while the tree may grow deeper, a node's path
     probability is above the round's floor (EAGLE-2's dynamic depth) and its own q above `stop_confidence`."""
     if depth >= req.k:
@@ -163,7 +173,7 @@ def _select(tree: DraftTree, added: list[int], req: "DraftRequest", depth: int, 
     return sorted(ok, key=lambda i: (-scores[i], i))[: req.frontier]
 
 
-def _frontier_step(drafter: "SortedDrafter", states: list[RowState], trees: list[DraftTree],
+def _frontier_step(drafter: FrontierDrafter, states: list[RowState], trees: list[DraftTree],
                    frontier: list[list[int]], thresholds: list[Sequence[float]]
                    ) -> list[dict[int, tuple[torch.Tensor, int]]]:
     """Run every row's frontier nodes through the draft, segment by segment, each node leaving at its own exit;
@@ -217,7 +227,7 @@ def _frontier_step(drafter: "SortedDrafter", states: list[RowState], trees: list
     return out
 
 
-def commit_path(tree: DraftTree, state: RowState, tokens: list[int], drafter: "SortedDrafter") -> None:
+def commit_path(tree: DraftTree, state: RowState, tokens: list[int], drafter: FrontierDrafter) -> None:
     """Keep only the path of `tree` that `tokens` (the caller's committed sequence) accepted: its KV and kept hidden
     states move to slots start, start + 1, ...; each segment's fill then covers the path as far as that segment
     computed it (nodes that left at a shallower exit stay to be lazily filled)."""

@@ -1,8 +1,8 @@
 """CUDA graphs of a layer segment's forward, by shape bucket: what makes a GPU decode step cost its kernels, not Python.
 
-Measured on an H200 (BENCHMARKS.md, GPU): an eager decode round of a 7B-shaped model spends 383 ms of host time for
-51 ms of GPU work over 8 rounds (~1,000 kernel launches a round); transformers' eager `generate` gives 21 tok/s and
-its compiled static cache 144. A captured graph replays all of a segment's kernels in one launch.
+An eager decode round of a large model on a GPU launches about a thousand small kernels, and the host time spent
+launching them is several times the GPU's work (see BENCHMARKS.md, GPU rounds). A captured graph replays all of a
+segment's kernels in one launch.
 
 A graph needs fixed shapes and fixed tensors. So a segment call of n rows x w positions over a cache is padded to a
 bucket (B rows, W positions, S attended slots) and its inputs are copied into that bucket's static buffers:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,12 +18,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import CapacityError, ModelLoadError
-from .attention import plan_kv_groups, sdpa_is_faster, use_grouped
+from .attention import plan_kv_groups
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
-from .linear import (
-    PackedLinear, one_row_is_faster, one_row_supported, packed, packed_is_faster, supported, with_packed_linears,
-)
+from .errors import CapacityError, ModelLoadError
+from .kernels import STOCK, AttentionShape, Kernels
 from .threads import intra_op_threads, pass_threads
 
 logger = logging.getLogger(__name__)
@@ -44,23 +41,9 @@ class DecoderParts:
     num_heads: int
 
 
-# Tests set this to run the CUDA code path (SDPA with per-head mask views) on the CPU, so CPU CI covers it.
-SDPA_ON_CPU = False
-# The CPU's innermost attention kernel: "auto" (measured when a stack is built), "grouped" or "sdpa" (tests pin one).
-ATTENTION_KERNEL = "auto"
-# The CPU's kernels for projections (core/linear.py): "auto" (packed weights where measured faster per shape: oneDNN
-# for several rows, MKL for one row), "several" (the several-row choice only; one row stock), "stock" (torch's F.linear
-# everywhere) or "packed" (every Linear both ways where the dtype allows); the environment variable S2D_LINEAR_KERNEL
-# sets it for a process (benchmarks' A/B), tests pin it.
-LINEAR_KERNELS = ("auto", "several", "stock", "packed")
-LINEAR_KERNEL = os.environ.get("S2D_LINEAR_KERNEL", "auto")
-if LINEAR_KERNEL not in LINEAR_KERNELS:
-    raise ValueError(f"S2D_LINEAR_KERNEL={LINEAR_KERNEL!r}: expected one of {', '.join(LINEAR_KERNELS)}")
-
-
 def cache_kwarg(layer: nn.Module) -> str:
-    """The name a decoder layer takes its KV cache by: `cache` from transformers 5.2x, `past_key_values` before
-    (5.17 on the GPU image). A wrong name is silently swallowed by **kwargs and the layer attends to no cache."""
+    """The name a decoder layer takes its KV cache by: `cache` in newer transformers, `past_key_values` in older ones.
+    A wrong name is silently swallowed by **kwargs and the layer attends to no cache."""
     params = inspect.signature(layer.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -106,7 +89,10 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
 
 
 class LayerStack(nn.Module):
-    """Layers 1..exit_layers[-1] of a decoder, cut into segments that end at each exit; norm and head shared."""
+    """Layers 1..exit_layers[-1] of a decoder, cut into segments that end at each exit; norm and head shared.
+
+    `kernels` (core/kernels.py) chooses how attention and projections run: the default runs the model's own; a
+    backend may route attention through the slot cache's grouped path and swap projections for faster ones."""
 
     def __init__(
         self,
@@ -114,6 +100,7 @@ class LayerStack(nn.Module):
         exit_layers: list[int],
         layers: nn.ModuleList | None = None,
         vocab_ids: torch.Tensor | None = None,
+        kernels: Kernels = STOCK,
     ) -> None:
         super().__init__()
         self.parts = parts
@@ -127,62 +114,37 @@ class LayerStack(nn.Module):
             raise ModelLoadError(f"exit {exit_layers[-1]} is deeper than the {len(self.layers)} layers available")
         bounds = [0, *exit_layers]
         self.segments = list(zip(bounds[:-1], bounds[1:]))
-        # On the CPU, attention runs through the slot cache's grouped path (core/attention.py: row groups, cache
-        # runs, query blocks); its innermost kernel is SDPA where that measured faster on this CPU (AVX2 in fp32),
-        # else grouped matmuls (2-20x faster than SDPA on an AVX512-BF16 CPU).
-        self.grouped = self.device.type == "cpu" and not SDPA_ON_CPU
-        self.sdpa_kernel = False
-        if self.grouped:
-            use_grouped(self.layers)
-            self.sdpa_kernel = ATTENTION_KERNEL == "sdpa" or ATTENTION_KERNEL == "auto" and sdpa_is_faster(
-                parts.num_heads, parts.num_kv_heads, parts.head_dim, self.dtype)
+        self.backend = kernels
+        # grouped: attention runs through the slot cache's grouped path (core/attention.py: row groups, cache runs,
+        # query blocks), its innermost kernel SDPA when `sdpa_kernel`; else the model's own attention, a mask per head.
+        attention = kernels.attention(self.layers, AttentionShape(parts.num_heads, parts.num_kv_heads, parts.head_dim,
+                                                                  self.dtype, self.device))
+        self.grouped, self.sdpa_kernel = attention.grouped, attention.sdpa
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
         self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
-        self.packed_linears = 0  # how many projections run packed, either way (use_packed_linears)
-        self.several_linears = 0  # ... of them for several rows (oneDNN)
-        self.one_row_linears = 0  # ... of them for one row (MKL)
-        self._head_packed: PackedLinear | None = None
+        self._head_fast: nn.Module | None = None  # the reduced-vocabulary head's rows on a faster kernel
+        self._projections_chosen = False
 
-    def use_packed_linears(self) -> int:
-        """On the CPU, run this stack's projections on packed weights where that measured faster for their shape
-        (core/linear.py): oneDNN for several rows, MKL for one row. The layers become copies that share every
-        parameter, so the model's own forward is untouched. Returns how many projections were packed either way."""
-        if self.device.type != "cpu" or LINEAR_KERNEL == "stock" or self.packed_linears:
-            return self.packed_linears
-        threads = torch.get_num_threads()
-
-        def chosen(linear: nn.Module) -> tuple[bool, bool]:
-            w = linear.weight
-            if LINEAR_KERNEL == "packed":
-                return supported(w.dtype), one_row_supported(w.dtype)
-            one = LINEAR_KERNEL == "auto" and one_row_is_faster(w.shape[0], w.shape[1], w.dtype, threads)
-            return packed_is_faster(w.shape[0], w.shape[1], w.dtype, threads), one
-
-        self.layers = nn.ModuleList(with_packed_linears(layer, chosen) for layer in self.layers)
-        if type(self.parts.head) is nn.Linear and self.vocab_ids is None and any(choice := chosen(self.parts.head)):
-            self.parts = dataclasses.replace(self.parts, head=packed(self.parts.head, *choice))
+    def use_fast_projections(self) -> None:
+        """Run this stack's projections on the kernels its backend chooses (on the CPU: packed weights where that
+        measured faster for their shape). The layers become copies that share every parameter, so the model's own
+        forward is untouched. Once per stack."""
+        if self._projections_chosen:
+            return
+        self._projections_chosen = True
+        self.layers = nn.ModuleList(self.backend.projections(layer) for layer in self.layers)
+        if self.vocab_ids is None:
+            self.parts = dataclasses.replace(self.parts, head=self.backend.projections(self.parts.head))
         if self._head_rows is not None:  # a reduced-vocabulary head (the draft's rows of the LM head)
-            rows = PackedLinear(self._head_rows)
-            rows.several, rows.one_row = chosen(rows)
-            if rows.several or rows.one_row:
-                self._head_packed = rows
-        candidates = [*self.layers.modules(), self.parts.head, self._head_packed]
-        wrapped = [m for m in candidates if isinstance(m, PackedLinear)]
-        self.packed_linears = len(wrapped)
-        self.several_linears = sum(m.several for m in wrapped)
-        self.one_row_linears = sum(m.one_row for m in wrapped)
-        if wrapped:
-            logger.info("%d projections run packed for several rows (oneDNN), %d for one row (MKL): measured faster "
-                        "on this CPU", self.several_linears, self.one_row_linears)
-        return self.packed_linears
+            self._head_fast = self.backend.weight_projection(self._head_rows)
 
     def kernels(self) -> dict:
-        """The kernels this process measured and chose for the stack (stats and /health): projections packed for
-        several rows (oneDNN) and for one row (MKL), and the innermost attention kernel. Chosen when a model loads,
-        so a process that loaded beside busy neighbours may have chosen differently from a quiet one."""
-        return {"packed_several": self.several_linears, "packed_one_row": self.one_row_linears,
-                "attention": ("sdpa" if self.sdpa_kernel else "grouped") if self.grouped else "sdpa-masked"}
+        """The kernels this process chose for the stack (stats and /health): what the backend swapped in, and the
+        attention path. Chosen when a model loads, so a process that loaded beside busy neighbours may have chosen
+        differently from a quiet one."""
+        chosen = self.backend.describe([*self.layers, self.parts.head, self._head_fast])
+        return {**chosen, "attention": ("sdpa" if self.sdpa_kernel else "grouped") if self.grouped else "sdpa-masked"}
 
     def use_graphs(self, capture: bool | None = None) -> None:
         """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`
@@ -217,8 +179,8 @@ class LayerStack(nn.Module):
         if self.vocab_ids is None:
             # [tokens, h] goes in as [1, tokens, h]: AutoTP's sharded LM head slices a [batch, seq, h] input.
             return self.parts.head(normed[None])[0] if normed.dim() == 2 else self.parts.head(normed)
-        if self._head_packed is not None and normed.dtype == self._head_rows.dtype:
-            sub = self._head_packed(normed)
+        if self._head_fast is not None and normed.dtype == self._head_rows.dtype:
+            sub = self._head_fast(normed)
         else:
             sub = torch.nn.functional.linear(normed, self._head_rows.to(normed.dtype))
         full = sub.new_full((*sub.shape[:-1], self.parts.head.weight.shape[0]), float("-inf"))
@@ -447,7 +409,7 @@ def limit_rows(holder, max_rows: int | None, max_slots: int | None = None) -> No
 
 
 # Positions per pass over a long prompt (verifier and draft): attention over n positions at once builds [heads, n, n]
-# scores that fall out of cache; a 1000-token prompt costs 2.9 s in one pass on this CPU and 1.0 s in passes of 250.
+# scores that fall out of cache, so a long prompt runs faster in passes of a few hundred positions.
 PREFILL_CHUNK = 256
 FREE_WIDTH = 32  # padding a row by this many positions costs about what one more forward's fixed overhead does
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .cache import causal_allowed
+from .kernels import STOCK, Kernels
 from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, decoder_parts,
                     length_groups, pending_grid)
 from .tree import ancestor_mask, node_depths
@@ -32,18 +33,18 @@ class TargetVerifier:
     """Runs a Hugging Face causal LM's layers over a slot cache; per-sequence KV, rollback by prefix sync.
 
     Works unchanged on a model whose Linear layers DeepSpeed AutoTP has sharded: every rank calls `score` with the
-    same requests and rank 0's logits are the answer.
+    same requests and rank 0's logits are the answer. `kernels` (core/kernels.py): how its layers attend and project.
     """
 
     def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True, wide_threads: int | None = None) -> None:
+                 cuda_graphs: bool = True, wide_threads: int | None = None, kernels: Kernels = STOCK) -> None:
         parts = decoder_parts(model)
         self.model = model
-        self.stack = LayerStack(parts, [len(parts.layers)])
+        self.stack = LayerStack(parts, [len(parts.layers)], kernels=kernels)
         self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda":
             self.stack.use_graphs()  # decode and verify forwards as CUDA graphs (core/graphs.py)
-        self.stack.use_packed_linears()  # CPU: projections on packed weights where faster (core/linear.py)
+        self.stack.use_fast_projections()  # the backend's projections (on the CPU: packed weights where faster)
         self.cache = self.stack.new_cache()
         self.table = RowTable(1, self.cache)
         self.vocab_size = model.config.vocab_size
@@ -95,8 +96,8 @@ class TargetVerifier:
         """Hidden states [positions, h] per row; a row with more than `prefill_chunk` positions runs its leading
         positions in passes of at most that many (plain causal, KV only), then a last pass with the rest (a tree's
         nodes always in the last). Attention over a long prompt in one pass builds [heads, n, n] scores that fall out
-        of cache: on this CPU a 1000-token prompt takes 2.9 s in one pass and 1.0 s in passes of 250 (the matmuls are
-        the same; BENCHMARKS.md). It is also what bounds the positions a prompt adds to a round."""
+        of cache, while the matmuls are the same either way. It is also what bounds the positions a prompt adds to a
+        round."""
         chunk, starts = self.prefill_chunk, list(starts)
         parts: list[list[torch.Tensor]] = [[] for _ in requests]
         while chunk:

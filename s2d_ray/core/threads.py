@@ -1,8 +1,8 @@
 """Intra-op threads per pass: a wide pass (a prompt, a token tree, a big batch) takes more cores than a one-row step.
 
 A replica that shares the machine's cores with the draft, the router and the other replicas runs narrow steps on one
-thread; a wide pass is a few larger matmuls (24 prompts' prefill 4.8 -> 3.0 s on two cores of this CPU), and it does
-not overlap the same router's draft forward: a round drafts, then verifies."""
+thread; a wide pass is a few larger matmuls that a second core speeds up, and it does not overlap the same router's
+draft forward: a round drafts, then verifies."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from typing import Iterator
 
 import torch
 
-# A pass over at least this many (padded) positions counts as wide. Measured (scripts/served_overhead/wide_passes.py,
-# bf16 SmolLM2-135M): alone, a second thread speeds every pass, even one row's step (28 -> 22 ms); served, giving it
-# to one-row steps lost (the router, proxy and client share the cores between steps and a descheduled peer stalls
-# the pass), while 8- and 16-position thresholds gained on prompts, trees and 8-row rounds (BENCHMARKS.md).
+# A pass over at least this many (padded) positions counts as wide. Alone, a second thread speeds every pass, even one
+# row's step; served, giving it to one-row steps loses (the router, proxy and client share the cores between steps
+# and a descheduled peer stalls the pass), while prompts, trees and many-row rounds gain (see BENCHMARKS.md).
 WIDE_PASS_POSITIONS = 16
 
 

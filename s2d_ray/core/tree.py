@@ -9,7 +9,7 @@ Acceptance walks down from the root. At each accepted node its children are the 
 - greedy: accept the child whose token is the target's argmax (siblings are merged by token, so at most one); the
   round ends with the target's argmax at the last accepted node (the bonus token);
 - sampling: every tree candidate is DETERMINISTIC (chosen from draft logits / the text without looking at any
-  acceptance coin), so each is a point-mass proposal (TREES.md rule 4, SpecInfer's multi-candidate rule with
+  acceptance coin), so each is a point-mass proposal (SpecInfer's multi-candidate rule with
   q = delta): accept child x with probability r(x); on rejection set r(x) = 0 and renormalise; when every child is
   rejected, draw the output from the residual r. By induction the emitted token at each depth is distributed
   exactly as the target's r, whatever candidates were offered. (A sampled-with-q chain keeps using

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below this decode greedily: there the tempered softmax under/overflows (NaN in float32), as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,8 +21,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        # Below 1e-5 the tempered softmax under/overflows (NaN in float32); decode greedily, as vLLM does.
-        return self.temperature < 1e-5
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,8 @@ class ScoreRequest:
     argmax_only: bool = False
     # Plain greedy steps to take in this one call (a row with no draft, argmax_only, one logit): the verifier appends
     # its own argmax and scores again, up to `steps` tokens or a token in `stop_ids`, and answers the ids it chose.
-    # A served round pays a Ray call per target call, so a plain row gets several tokens per call (`score_steps`).
+    # A served round pays a deployment call per target call, so a plain row gets several tokens per call
+    # (`core/steps.py`).
     steps: int = 1
     stop_ids: tuple[int, ...] = ()
 

@@ -37,10 +37,10 @@ class Device:
 
 # Datasheets: NVIDIA L40S (864 GB/s, 362 TFLOP/s bf16 dense, 48 GB), A100 80GB SXM (2039 GB/s, 312, 80 GB),
 # H100 SXM (3350 GB/s, 989, 80 GB), H200 SXM (4800 GB/s, 989, 141 GB).
-# The H200 row is MEASURED (scripts/gpu_check.sh, 2026-12-01, torch 2.11, the engine with CUDA graphs; BENCHMARKS.md
-# "GPU"): the matmuls of a 7B-shaped forward inside one graph reach 3202 GB/s (0.67 of peak) as matrix-vector
-# products and 579 TFLOP/s (0.59) at 256 rows; overheads from tiny-width models with the real layer count. The other
-# GPUs keep their datasheet peaks with the H200's measured efficiencies and overheads (same software; not measured).
+# The H200 row is MEASURED (scripts/gpu_check.sh, the engine with CUDA graphs; BENCHMARKS.md, GPU rounds): the
+# matmuls of a 7B-shaped forward inside one graph reach 3202 GB/s (0.67 of peak) as matrix-vector products and 579
+# TFLOP/s (0.59) at 256 rows; overheads from tiny-width models with the real layer count. The other GPUs keep their
+# datasheet peaks with the H200's measured efficiencies and overheads (same software; not measured).
 _H200 = dict(bandwidth_eff=0.667, flops_eff=0.586, layer_overhead_ms=0.081, forward_overhead_ms=1.278,
              row_overhead_ms=0.126, round_overhead_ms=1.727, round_row_overhead_ms=0.209, draft_depth_overhead_ms=0.0,
              spec_round_overhead_ms=0.0, spec_row_overhead_ms=0.868)
@@ -50,9 +50,10 @@ DEVICES: dict[str, Device] = {
     "a100": Device("a100", 2039, 312, 80, **_H200, source=_GPU),
     "h100": Device("h100", 3350, 989, 80, **_H200, source=_GPU),
     "h200": Device("h200", 4800, 989, 141, **_H200, measured=True,
-                   source="scripts/gpu_check.sh on one H200, bf16, CUDA graphs, 2026-12-01"),
-    # This machine, 1 torch thread, bf16 (AVX512-BF16), SmolLM2-135M shapes: `s2d bench plan-check`, 2026-11-30 16:38
-    # UTC, shared machine (load average 1.7-3). Compute and the weight stream add on one core (overlap=False).
+                   source="scripts/gpu_check.sh on one H200, bf16, CUDA graphs"),
+    # The reference CPU (BENCHMARKS.md, fleet model) at 1 torch thread, bf16 (AVX512-BF16), SmolLM2-135M shapes, from
+    # `s2d bench plan-check`; `s2d bench plan-check` measures the row of any other CPU. Compute and the weight stream
+    # add on one core (overlap=False).
     "this-cpu": Device("this-cpu", 12.0, 0.313, 24, bandwidth_eff=1.0, flops_eff=1.0, layer_overhead_ms=0.292,
                        forward_overhead_ms=0.248, row_overhead_ms=1.348, round_overhead_ms=0.412,
                        round_row_overhead_ms=0.669, draft_depth_overhead_ms=0.0, spec_round_overhead_ms=2.082,

@@ -96,11 +96,12 @@ def token_tflops(shape: ModelShape, dtype: torch.dtype, device: torch.device, co
     """The marginal rate of extra tokens through real decoder layers of `shape` (random weights, `layers` of them,
     our verifier and cache): modelled FLOPs of `few` positions over one, per second of their time difference. It
     includes what the FLOP count leaves out (attention kernels, norms, activations), at their real proportions."""
+    from ..build import make_kernels
     from ..core.target import TargetVerifier
     from ..core.types import ScoreRequest
 
     model = random_llama(shape, layers, dtype, device)
-    verifier = TargetVerifier(model)
+    verifier = TargetVerifier(model, kernels=make_kernels())
     ctx = [(13 * i) % (shape.vocab - 3) + 3 for i in range(context)]
     verifier.score([ScoreRequest("t", ctx, 1)])
     extra = ctx[:few]
@@ -115,6 +116,7 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
     """ms per layer per forward, per forward, per extra row of a forward, per engine round and per extra row of it
     (outside forwards), per draft depth, and per speculative round and row beyond its forwards (acceptance,
     the draft's catch-up), measured on models of tiny width (hidden 64) with the real layer counts."""
+    from ..build import make_kernels
     from ..core.draft import SortedDraft, SortedDrafter
     from ..core.engine import GenerationRequest, SpecEngine
     from ..core.policy import FixedK
@@ -123,11 +125,12 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
 
     tiny = ModelShape("tiny", layers, 64, 128, 2, 2, 32, 256)
     ctx = [(7 * i) % 250 + 3 for i in range(context)]
+    kernels = make_kernels()
     fwd = {}
     lo, layers = 1, max(layers, draft_layers, 4)  # two depths separate per-layer from per-forward cost
     for n in (lo, layers):
         model = random_llama(tiny, n, dtype, device)
-        verifier = TargetVerifier(model)
+        verifier = TargetVerifier(model, kernels=kernels)
         verifier.score([ScoreRequest("s", ctx, 1)])
         fwd[n] = median_ms(lambda: verifier.score([ScoreRequest("s", ctx + [5], 1)]), device, repeat)
     per_layer = max((fwd[layers] - fwd[lo]) / (layers - lo), 0.0)
@@ -137,7 +140,7 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
         verifier.score([ScoreRequest(f"r{i}", ctx, 1)])
     wide = median_ms(lambda: verifier.score([ScoreRequest(f"r{i}", ctx + [5], 1) for i in range(rows)]), device, repeat)
     per_row = max((wide - fwd[layers]) / (rows - 1), 0.0)
-    draft = SortedDraft.cut(model, "tiny", draft_layers, [draft_layers])
+    draft = SortedDraft.cut(model, "tiny", draft_layers, [draft_layers], kernels=kernels)
     drafter = SortedDrafter(draft)
     k = 8
     flips = [[DraftRequest("d", ctx[:-1] + [last], k, SamplingParams())] for last in (11, 12)]
@@ -152,7 +155,8 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
     def round_ms(spec: bool, batch: int, gen: int = 24) -> float:
         """ms per engine round: `batch` rows decoding together, plain or with k = 1 drafts (the tiny model's
         acceptance does not matter: time is divided by the rounds actually run)."""
-        engine = SpecEngine(TargetVerifier(model), SortedDrafter(draft) if spec else None, policy=FixedK(1))
+        engine = SpecEngine(TargetVerifier(model, kernels=kernels), SortedDrafter(draft) if spec else None,
+                            policy=FixedK(1))
         engine.generate([GenerationRequest("w", ctx, 4)])
         per_round = []
         for r in range(max(repeat // 3, 3)):

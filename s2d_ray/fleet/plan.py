@@ -73,7 +73,7 @@ def draft_shape_of(source: str, exit_layers: list[int] | None = None) -> tuple[M
 
 def dtype_bytes(dtype: str, dev: Device) -> int:
     """Bytes per weight of a config's dtype on this device (`auto` resolves as the replica would resolve it)."""
-    from ..dtypes import resolve_dtype
+    from ..hardware import resolve_dtype
 
     return DTYPE_BYTES[resolve_dtype(dtype, "cpu" if dev.overlap is False else "cuda")]
 

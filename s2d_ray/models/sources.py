@@ -39,7 +39,7 @@ _CHUNK = 1 << 20
 SourceKind = Literal["named", "dir", "gguf"]
 
 
-# --------------------------------------------------------------------------------------------------- helpers
+# ------------------------------------------------------------------------------------ paths and checksums
 
 
 def default_cache_dir() -> Path:
@@ -364,7 +364,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    logger.info("converting %s to safetensors (one time, about 20 s for a 135M model)", gguf_path.name)
+    logger.info("converting %s to safetensors (one time: later loads read the converted copy)", gguf_path.name)
     kwargs: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)

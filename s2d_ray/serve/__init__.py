@@ -22,7 +22,7 @@ __all__ = ["AppConfig", "DraftDeploymentConfig", "Limits", "RouterOptions", "Tar
 
 def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     """Validate the config and bind the application: draft (unless mode `ar`), one deployment per target, router."""
-    from .affinity import affinity_router_config
+    from .affinity_router import affinity_router_config
     from .draft_deployment import DraftDeployment
     from .router import Router
     from .target_deployment import TargetDeployment
@@ -43,6 +43,6 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
                 cfg.draft.source if cfg.uses_draft else None, cfg.draft.placement, cfg.spec.mode)
     router = cfg.deployment_options(cfg.router.serve_options())
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
-    # 20 s cut long streams during a scale-down or redeploy.
+    # 20 s would cut long streams during a scale-down or redeploy.
     router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)
     return Router.options(name="router", **router).bind(cfg, draft, targets)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..config import DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
-from ..dtypes import resolve_dtype
+from ..hardware import resolve_dtype
 
 
 class _Strict(BaseModel):
@@ -81,7 +81,7 @@ class BatchOptions(_Strict):
     batch_wait_timeout_s: float = Field(
         0.0, ge=0, description="How long the first call of a batch waits for others. A router sends ONE call per "
         "round with all its sequences, so only other routers' calls could merge, and calls that queue while a forward "
-        "runs merge anyway: waiting added ~2 ms to every round at concurrency 1."
+        "runs merge anyway: at low concurrency a wait only adds its length to every round."
     )
     max_live_sequences: int = Field(
         32, ge=1, description="Sequences whose KV one replica keeps (cache rows). Past it the least recently used "
@@ -106,19 +106,18 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
     plain_steps: int = Field(
         4, ge=1, le=64, description="Greedy tokens per target call in a round where no row has draft tokens (`mode: "
         "ar`, every request `speculate: false`, or drafting switched off for the round by the load-aware budget): "
-        "each call costs a Ray round trip (~7 ms on the reference CPU), so a "
-        "plain row takes up to this many of the target's own argmax steps per call. Same tokens; they stream in "
-        "bursts, and a new request waits up to this many steps to join (the round that fills its prompt is one pass, "
-        "so its first token does not wait). 1: one step per call. Tensor-parallel targets always take one (their "
-        "ranks step in lockstep)."
+        "each call costs a Ray round trip, so a plain row takes up to this many of the target's own argmax steps per "
+        "call. Same tokens; they stream in bursts, and a new request waits up to this many steps to join (the round "
+        "that fills its prompt is one pass, so its first token does not wait). 1: one step per call. Tensor-parallel "
+        "targets always take one (their ranks step in lockstep)."
     )
     placement: Literal["deployment", "router"] = Field(
         "deployment", description="`deployment`: the target is a Serve deployment of its own (replicas, autoscaling, "
         "tensor parallelism), verified over one Ray call per round. `router`: each router replica loads the model and "
         "verifies on the router's model thread, as `draft.placement: router` does for the draft: no call per round "
-        "(the latency path of one machine, where the call is ~6 ms of a ~60 ms round at concurrency 1). The target "
-        "then scales with the router (each router replica holds a copy), takes tp_size 1, and its deployment options "
-        "(replicas, autoscaling, num_cpus) do not apply: size `router.num_cpus` for its work."
+        "(the latency path of one machine, where the call is a sizeable share of a round at low concurrency). The "
+        "target then scales with the router (each router replica holds a copy), takes tp_size 1, and its deployment "
+        "options (replicas, autoscaling, num_cpus) do not apply: size `router.num_cpus` for its work."
     )
 
     @model_validator(mode="after")
@@ -177,7 +176,8 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
     )
     batch_wait_fraction: float = Field(
         1.0, ge=0, le=1, description="Share of one measured draft forward a batch may wait for another caller's "
-        "predicted round: merging saves that caller a forward of its own, worth about a forward (BENCHMARKS.md §3c)."
+        "predicted round: merging saves that caller a forward of its own, worth about a forward (see BENCHMARKS.md, "
+        "draft capacity)."
     )
 
     @model_validator(mode="after")

@@ -1,6 +1,6 @@
 """Several choices of one OpenAI request (n > 1, a batch of prompts) run as independent sequences, merged here.
 
-Every per-choice stream is an async generator whose `finally` aborts its sequence (freeing KV); these helpers make
+Every per-choice stream is an async generator whose `finally` aborts its sequence (freeing KV); these functions make
 sure every one of them is closed on every path: an error in one choice, or the client hanging up mid-stream.
 """
 

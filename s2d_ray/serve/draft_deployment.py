@@ -1,5 +1,5 @@
 """The ONE sorted-draft deployment every target shares: concurrent propose calls from all targets merge into one
-batched draft forward (`draft_capacity.MergeQueue`, which holds a batch open for another target's round only when
+batched draft forward (`draft_batching.MergeQueue`, which holds a batch open for another target's round only when
 that round is due within a share of one forward); KV per sequence id, checked against the token prefix of every
 call."""
 
@@ -15,12 +15,12 @@ from ..build import apply_exits, build_draft, draft_base_source, load_profile, l
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.stack import limit_rows
-from ..core.types import DraftRequest, Proposal
-from ..dtypes import resolve_dtype
+from ..core.types import DraftRequest
+from ..hardware import resolve_dtype
 from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .draft_autoscale import BUSY_METRIC
-from .draft_capacity import DraftCapacity, MergeQueue
+from .draft_batching import DraftCapacity, MergeQueue
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, recomputed_tokens, replica_id,
     return_freed_memory, split_like, target_window,

@@ -10,52 +10,94 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.logprobs import TokenLogprob
 from ..errors import RequestError
 
 MAX_STOP_STRINGS = 4
 MIN_LOGPROB = -9999.0  # -inf (tokens past top-k / top-p) is not JSON; vLLM clamps to the same value
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default: the HTTP API behaves as OpenAI clients expect
+HANDLE_TEMPERATURE = 0.0  # the handle API's default: greedy, the deterministic output programs compare
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, description="Sampling temperature; 0 (and anything below "
+                                     "core.types.GREEDY_TEMPERATURE) decodes greedily.")]
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class SamplingFields(BaseModel):
+    """How one completion is sampled and bounded: the fields both entry points share, declared once. The OpenAI
+    requests (`OpenAIFields`) and the handle API's `GenerateRequest` extend it; each OpenAI choice becomes a
+    GenerateRequest with these fields copied (`sampling`)."""
 
+    model_config = ConfigDict(extra="forbid")
 
-class SamplingFields(_Lenient):
-    max_tokens: int | None = Field(None, ge=1, description="Completion length limit; default: the server's.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy.")
+    max_tokens: int | None = Field(None, ge=0, description="Completion length limit (0: nothing generated, e.g. "
+                                   "echo or prompt logprobs only); default: the server's.")
+    temperature: Temperature = OPENAI_TEMPERATURE
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables (extension).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables (not in OpenAI's API).")
     seed: int | None = Field(None, description="Seed for reproducible sampling.")
-    stop: str | list[str] | None = Field(None, description="Up to 4 strings that end the completion.")
+    stop: str | list[str] | None = Field(None, description="Strings that end the completion (not returned).")
+    speculate: bool = Field(True, description="false: plain target decoding for this request, no draft or lookup "
+                            "(not in OpenAI's API; the output is the same, only its speed differs).")
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling(self) -> dict[str, Any]:
+        """The shared fields as keyword arguments of a GenerateRequest (stop as a list)."""
+        return {**{name: getattr(self, name) for name in SamplingFields.model_fields}, "stop": self.stop_list}
+
+
+LENIENT = ConfigDict(extra="ignore", strict=True)  # OpenAI shapes: strict types, unknown fields ignored
+
+
+class TextPart(BaseModel):
+    model_config = LENIENT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = LENIENT
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class OpenAIFields(SamplingFields):
+    """What both OpenAI requests add to the sampling fields: choices, streaming, OpenAI's limits. Validated strictly
+    (a string where a number belongs is a 400); unknown fields are ignored (OpenAI clients send many)."""
+
+    model_config = LENIENT
+
     n: int = Field(1, ge=1, description="Independent samples per prompt (bounded by limits.max_choices).")
     stream: bool = Field(False, description="Server-sent events, one chunk per round.")
     user: str | None = Field(None, description="Ignored (OpenAI compatibility).")
-    speculate: bool = Field(True, description="false: plain target decoding for this request, no draft or lookup "
-                            "(extension; the output is the same, only its speed differs).")
     return_token_ids: bool = Field(False, description="Each choice (each stream chunk) also carries the ids of "
-                                   "the tokens it generated, `token_ids` (extension, as vLLM's): exact "
-                                   "comparisons need no re-encoding of text.")
+                                   "the tokens it generated, `token_ids` (as vLLM's): exact comparisons need no "
+                                   "re-encoding of text.")
 
     @model_validator(mode="after")
-    def _stops(self) -> "SamplingFields":
+    def _stops(self) -> "OpenAIFields":
         stops = self.stop_list
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
         return self
 
-    def sampling(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed, "stop": self.stop_list, "speculate": self.speculate}
-
     def fan_out(self, prompts: list[dict[str, Any]], fields: dict[str, Any],
                 max_choices: int | None) -> list["GenerateRequest"]:
         """One GenerateRequest per choice, in choice order; sample i of a prompt uses seed + i. The choice count is
-        checked BEFORE anything is built: n is a client's number (fuzzing sent n = 2.6e27)."""
+        checked BEFORE anything is built: n is a client's number and may be huge."""
         if max_choices is not None and len(prompts) * self.n > max_choices:
             raise RequestError(f"{len(prompts) * self.n} choices requested (prompts x n); the limit is {max_choices}",
                                "n")
@@ -66,31 +108,11 @@ class SamplingFields(_Lenient):
                 out.append(GenerateRequest(model=self.model, **prompt, **{**fields, "seed": seed}))
         return out
 
-    @property
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-
-class TextPart(_Lenient):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Lenient):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class CompletionRequest(SamplingFields):
+class CompletionRequest(OpenAIFields):
     model: str = Field(description="Target name (see /v1/models).")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text, token ids, or a batch of either (one choice per prompt, index in order).")
-    max_tokens: int | None = Field(None, ge=0, description="Completion length limit; 0 only with echo.")
     logprobs: int | None = Field(None, ge=0, description="Logprob of each token plus the top-n alternatives.")
     echo: bool = Field(False, description="Return the prompt (and, with logprobs, its tokens' logprobs) too.")
     best_of: int | None = Field(None, ge=1, description="Only best_of == n (or unset) is supported.")
@@ -110,16 +132,24 @@ class CompletionRequest(SamplingFields):
         if not prompt:
             raise RequestError("prompt is empty")
         prompts = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
-        fields = {**self.sampling(), "logprobs": self.logprobs, "prompt_logprobs": self.echo and self.logprobs is not None}
+        prompt_logprobs = self.echo and self.logprobs is not None
+        fields = {**self.sampling(), "logprobs": self.logprobs, "prompt_logprobs": prompt_logprobs}
         return self.fan_out(prompts, fields, max_choices)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(OpenAIFields):
     model: str = Field(description="Target name (see /v1/models).")
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation; the chat template renders it.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI clients).")
     logprobs: bool | None = Field(None, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, description="Also the top-n alternatives (needs logprobs: true).")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _generates(cls, value: int | None) -> int | None:
+        if value == 0:  # no echo in chat: 0 would return nothing
+            raise ValueError("max_tokens must be >= 1")
+        return value
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -134,26 +164,18 @@ class ChatCompletionRequest(SamplingFields):
         return self.fan_out([{"messages": self.messages}], fields, max_choices)
 
 
-class GenerateRequest(BaseModel):
-    """The Python handle API's request: `await handle.generate.remote(GenerateRequest(...))`."""
+class GenerateRequest(SamplingFields):
+    """The Python handle API's request: `await handle.generate.remote(GenerateRequest(...))`. The sampling fields
+    are the HTTP API's with one override: temperature defaults to HANDLE_TEMPERATURE (greedy)."""
 
-    model_config = ConfigDict(extra="forbid")
-
+    temperature: Temperature = HANDLE_TEMPERATURE
     model: str = Field(description="Target name.")
     prompt: str | None = Field(None, description="Plain text prompt (no chat template).")
     messages: list[ChatMessage] | None = Field(None, description="Chat messages (the target's chat template).")
     prompt_token_ids: list[int] | None = Field(None, description="Token ids, used as they are.")
-    max_tokens: int | None = Field(None, ge=0, description="Completion length limit (0: nothing generated, e.g. "
-                                   "prompt logprobs only); default: the server's.")
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k; 0 disables.")
-    seed: int | None = Field(None, description="Seed for reproducible sampling.")
-    stop: list[str] = Field(default_factory=list, description="Strings that end the completion.")
     logprobs: int | None = Field(None, ge=0, description="Target logprob of each generated token plus the top-n "
                                  "alternatives (0: none); off when unset.")
     prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
-    speculate: bool = Field(True, description="False: plain target decoding for this request (same output).")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":

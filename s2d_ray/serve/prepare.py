@@ -6,14 +6,11 @@ import uuid
 from dataclasses import dataclass
 
 from ..core.engine import GenerationRequest
-from ..core.types import SamplingParams
+from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
 from ..prompts import encode_messages, encode_prompt
 from .app_config import Limits
 from .openai_protocol import GenerateRequest
-
-
-MIN_TEMPERATURE = 1e-5  # smaller positive temperatures decode greedily
 
 
 @dataclass
@@ -63,11 +60,11 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     if len(ids) + max_tokens > window:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {req.model}'s "
                            f"limit of {window} tokens; lower max_tokens")
-    # Below MIN_TEMPERATURE, logits / temperature overflows to inf (NaN probabilities would fail the whole round of
-    # every sequence on the target); the limit t -> 0 is greedy, so decode greedily (as vLLM does).
-    temperature = req.temperature if req.temperature >= MIN_TEMPERATURE else 0.0
+    # Below GREEDY_TEMPERATURE, logits / temperature overflows to inf (NaN probabilities would fail the whole round
+    # of every sequence on the target); the limit t -> 0 is greedy, so decode greedily (as vLLM does).
+    temperature = req.temperature if req.temperature >= GREEDY_TEMPERATURE else 0.0
     params = SamplingParams(temperature=temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
-    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop),
+    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop_list),
                              logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate)
 
 
@@ -83,10 +80,10 @@ class TextAssembler:
     """Incremental detokenization for streaming: never emits half a UTF-8 character or the start of a stop string,
     and the concatenated deltas always equal the final text (the non-streaming response)."""
 
-    def __init__(self, info: ModelInfo, stop: tuple[str, ...]) -> None:
+    def __init__(self, info: ModelInfo, stop: tuple[str, ...], ids: list[int] | None = None) -> None:
         self.info, self.stop = info, stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
+        self.ids: list[int] = list(ids or [])
         self.sent = ""
 
     def push(self, tokens: list[int]) -> str:

@@ -81,10 +81,9 @@ def process_model_thread(num_threads: int | None) -> ModelThread:
 
     libgomp gives each OS thread that starts parallel regions a pool of workers of its own; two pools whose threads
     outnumber the cores make libgomp throttle its spin-wait, so workers sleep between the regions of a forward and
-    every region pays a wake-up. With the draft and a target on two model threads of one router process, a prompt's
-    prefill took 222-227 ms against 124 ms on one thread, and the process alone served 36.6-37.7 tok/s against 43.7
-    at concurrency 1 (BENCHMARKS.md §0, session 26). One thread also means a process's forwards never overlap, which
-    on a CPU would only make them share the cores. Keyed by the thread count asked (a process asks one)."""
+    every region pays a wake-up: a draft and a target on two model threads of one router process make prefills and
+    decoding markedly slower than on one. One thread also means a process's forwards never overlap, which on a CPU
+    would only make them share the cores. Keyed by the thread count asked (a process asks one)."""
     thread = _MODEL_THREADS.get(num_threads)
     if thread is None:
         thread = _MODEL_THREADS[num_threads] = ModelThread(num_threads)

@@ -8,7 +8,6 @@ the shared draft deployment and whose verifier is the target deployment.
 # real annotation objects (a string "Request" would be taken for a query parameter).
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -20,67 +19,34 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..build import assemble_engine, draft_base_source, load_profile, set_threads
-from ..errors import (
-    CapacityError, ModelNotFoundError, RequestError, RequestTimeoutError, S2DError, ServiceUnavailableError,
-)
+from ..errors import ModelNotFoundError, RequestTimeoutError, S2DError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
+from .affinity import Affinity
 from .app_config import AppConfig
-from .metrics import ServeMetrics
 from .choices import first_items, gather_all, merge
+from .clients import DraftClient, TargetClient
+from .events import Event, coalesced
+from .http_api import (
+    ApiError, api_error, authorize, body_schema, error_response, parse_body, read_body, validation_error,
+)
+from .loaders import load_tokenizer, model_context
+from .metrics import ServeMetrics
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
-from .scheduler import Affinity, DraftClient, Event, TargetClient, TargetScheduler, coalesced
-from .loaders import load_tokenizer, model_context
 from .replica import InProcessHandle, process_model_thread, replica_id
+from .round_timing import CallTimes
+from .scheduler import TargetScheduler
 
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
-
-
-def api_error(exc: Exception) -> ApiError:
-    """Our exceptions -> HTTP status and OpenAI error body."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, ModelNotFoundError):
-        return ApiError(404, str(exc), "model_not_found", "model")
-    if isinstance(exc, RequestTimeoutError):
-        return ApiError(504, str(exc), "timeout", type_="timeout_error")
-    if isinstance(exc, RequestError):
-        return ApiError(400, str(exc), "invalid_value", exc.param)
-    if isinstance(exc, CapacityError):
-        return ApiError(429, str(exc), "rate_limit_exceeded", type_="rate_limit_error")
-    if isinstance(exc, ServiceUnavailableError):
-        return ApiError(503, str(exc), "service_unavailable", type_="server_error")
-    return ApiError(500, "internal error", "internal_error", type_="server_error")
-
-
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status)
-
-
-def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else None
-    where = ".".join(loc)
-    return ApiError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), "invalid_value", param)
 
 
 app = FastAPI(title="s2d-ray", description="Sorted speculative decoding served on Ray (OpenAI-compatible).")
@@ -99,24 +65,6 @@ async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
 @app.exception_handler(StarletteHTTPException)
 async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(ApiError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
-
-
-def _inline_refs(node, defs: dict):
-    """Replace `{"$ref": "#/$defs/X"}` by X's schema (our request models are not recursive)."""
-    if isinstance(node, dict):
-        if "$ref" in node:
-            return _inline_refs(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
-    if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
-    return node
-
-
-def _body(model: type[BaseModel]) -> dict:
-    """OpenAPI body schema of a route that parses its own body (so size limits and errors stay ours)."""
-    schema = model.model_json_schema()
-    schema = _inline_refs(schema, schema.get("$defs", {}))
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
@@ -176,27 +124,31 @@ class Router:
         return ModelInfo(name, tok, ctx, eos)
 
     def _scheduler(self, name: str) -> TargetScheduler:
-        cfg, info = self.cfg, self.models[name]
-        recomputed = self.metrics.recomputed_tokens
-        self.affinities.append(Affinity(self.affinity, f"target-{name}", recomputed))
-        target = TargetClient(self.target_handles[name], name, cfg.limits.score_timeout_s, self.affinities[-1])
-        target.times.observe = self.metrics.call_overhead.labels(name, "target").observe
-        draft = None
-        if cfg.uses_draft:
-            fallback = self.metrics.draft_fallbacks.labels(name)
-            draft = DraftClient(self.draft_handle, name, cfg.draft.call_timeout_s, cfg.draft.retry_after_s,
-                                on_fallback=fallback.inc, affinity=Affinity(self.affinity, "draft", recomputed))
-            self.affinities.append(draft.affinity)
-            draft.times.observe = self.metrics.call_overhead.labels(name, "draft").observe
+        cfg, info, spec = self.cfg, self.models[name], self.cfg.target(name)
         ecfg = cfg.engine_config(name)
-        engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize)
-        spec = cfg.target(name)
-        engine.plain_steps = spec.plain_steps if spec.tp_size == 1 else 1
+        target, draft = self._target_client(name), self._draft_client(name) if cfg.uses_draft else None
+        engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize,
+                                 plain_steps=spec.plain_steps if spec.tp_size == 1 else 1)
         # Rounds run whole on the process's model thread while no other target of this router has work (the
         # draft and target must both be in this process; `router.whole_rounds`).
         thread = process_model_thread(cfg.num_threads) if cfg.router.whole_rounds and self._in_process else None
         return TargetScheduler(name, engine, cfg.max_sequences(name), cfg.limits.max_queued_requests, self.metrics,
                                thread, busy_elsewhere=lambda: self._busy_besides(name))
+
+    def _target_client(self, name: str) -> TargetClient:
+        """The engine's verifier for one target: its calls' overhead observed in s2d:call_overhead_seconds."""
+        affinity = Affinity(self.affinity, f"target-{name}", self.metrics.recomputed_tokens)
+        self.affinities.append(affinity)
+        times = CallTimes(observe=self.metrics.call_overhead.labels(name, "target").observe)
+        return TargetClient(self.target_handles[name], name, self.cfg.limits.score_timeout_s, affinity, times)
+
+    def _draft_client(self, name: str) -> DraftClient:
+        """One target's client of the shared draft: its fallback rounds counted, its calls' overhead observed."""
+        affinity = Affinity(self.affinity, "draft", self.metrics.recomputed_tokens)
+        self.affinities.append(affinity)
+        times = CallTimes(observe=self.metrics.call_overhead.labels(name, "draft").observe)
+        return DraftClient(self.draft_handle, name, self.cfg.draft.call_timeout_s, self.cfg.draft.retry_after_s,
+                           on_fallback=self.metrics.draft_fallbacks.labels(name).inc, affinity=affinity, times=times)
 
     def _busy_besides(self, name: str) -> bool:
         """Whether another target's scheduler has sequences or requests (its rounds could share the draft's forward
@@ -211,8 +163,7 @@ class Router:
             chunks = [c async for c in stream]
         ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
-        assembler = TextAssembler(self.models[req.model], tuple(req.stop))
-        assembler.ids = ids
+        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids)
         logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
         return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
                                 finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
@@ -256,17 +207,17 @@ class Router:
         return out
 
     # --- HTTP ---------------------------------------------------------------------------------------------------
-    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await self._openai(request, CompletionRequest, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         return await self._openai(request, ChatCompletionRequest, chat=True)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict:
-        self._authorize(request)
+        authorize(request, self._api_key)
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context}
             for m in self.models.values()]}
@@ -301,14 +252,9 @@ class Router:
                       chat: bool) -> Response:
         model = "unknown"
         try:
-            self._authorize(request)
-            raw = await self._read_body(request)
+            authorize(request, self._api_key)
+            oreq = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), kind)
             try:
-                json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's stack
-                raise ApiError(400, f"request body is not valid JSON ({exc})", "invalid_json") from None
-            try:
-                oreq = kind.model_validate_json(raw, strict=True)
                 greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
@@ -365,27 +311,6 @@ class Router:
                 self.metrics.errors.labels(model, str(err.status)).inc()
                 yield f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
         yield "data: [DONE]\n\n"
-
-    def _authorize(self, request: Request) -> None:
-        if self._api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
-            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
-                           "invalid_api_key", type_="authentication_error")
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.cfg.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is larger than {limit} bytes", "body_too_large")
-        body = bytearray()
-        async for part in request.stream():
-            body.extend(part)
-            if len(body) > limit:
-                raise ApiError(413, f"request body is larger than {limit} bytes", "body_too_large")
-        return bytes(body)
 
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:

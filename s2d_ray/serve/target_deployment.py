@@ -9,7 +9,7 @@ import time
 import torch
 from ray import serve
 
-from ..build import load_target, set_threads
+from ..build import load_target, make_kernels, set_threads
 from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
@@ -34,7 +34,7 @@ class LocalTarget:
         self.cpu_s = 0.0  # the model thread's CPU seconds in this target's forwards (not the draft's beside it)
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        """Logits and tokens recomputed per request (see state.recomputed_tokens)."""
+        """Logits and tokens recomputed per request (see replica.recomputed_tokens)."""
         out, cpu = await self.thread.run_timed(score_counted, self.verifier, requests, expected)
         self.cpu_s += cpu
         return out
@@ -79,7 +79,8 @@ class TargetDeployment:
             self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s, max_slots)
         else:
             model = load_target(ecfg).model
-            verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads)
+            verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads,
+                                      kernels=make_kernels(ecfg))
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)

@@ -18,7 +18,7 @@ import torch
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..build import DTYPES, load_target, set_threads
+from ..build import DTYPES, load_target, make_kernels, set_threads
 from ..config import EngineConfig
 from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
@@ -72,7 +72,8 @@ class TPWorker:
             loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
             replace_with_kernel_inject=False,
         )
-        self.verifier = TargetVerifier(engine.module, cuda_graphs=False)  # all-reduces inside: not captured
+        self.verifier = TargetVerifier(engine.module, cuda_graphs=False,  # all-reduces inside: not captured
+                                       kernels=make_kernels(self.ecfg))
         limit_rows(self.verifier, max_rows, max_slots)
         # Every rank loaded the whole model and keeps its shard: the rest, freed, goes back to the OS.
         return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid(),
@@ -158,7 +159,7 @@ class TPGroup:
 def remove_shm_buffers(port: int, shm_dir: str = "/dev/shm") -> int:
     """Delete DeepSpeed's CPU all-reduce buffers of the group on `port` (one ~67 MB file per rank, named
     deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>): DeepSpeed never unlinks them, and a suite or an
-    autoscaling app that starts TP groups again and again filled /dev/shm until Ray's memory monitor killed workers.
+    autoscaling app that starts TP groups again and again would fill /dev/shm until Ray's memory monitor kills workers.
     Run when the group's ranks are gone (the mappings die with them); returns how many files were removed."""
     removed = 0
     for path in Path(shm_dir).glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):

@@ -16,7 +16,9 @@ from statistics import median
 
 import torch
 
+from ..build import make_kernels
 from ..core.draft import SortedDraft, SortedDrafter
+from ..core.kernels import Kernels
 from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 from ..fleet.measure import sync
@@ -24,8 +26,8 @@ from .validate import PathPreds, adaptive_correct
 
 logger = logging.getLogger(__name__)
 
-# 0.0: always leave at this exit (where a cheap exit agrees about as often as the deep ones the search must be able
-# to stop there: session 18 modelled it best for the committed draft and the stage-6 one); 1.01: never leave there
+# 0.0: always leave at this exit (where a cheap exit agrees about as often as the deep ones, leaving there at once
+# can model best, so the search must be able to stop there); 1.01: never leave there
 TAU_GRID = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.01)
 POLICIES = tuple([("fixed", k) for k in range(1, 9)] + [("heuristic", 3), ("heuristic", 5)])
 
@@ -33,6 +35,15 @@ POLICIES = tuple([("fixed", k) for k in range(1, 9)] + [("heuristic", 3), ("heur
 GRID_BATCHES = (1, 2, 4, 8, 16)
 GRID_POSITIONS = (1, 2, 4, 8, 12, 16, 24, 32)
 DRAFT_ROW_BATCH = 8
+
+
+def context_ids(prompts: list[list[int]], length: int) -> list[int]:
+    """`length` tokens of the prompts concatenated (repeated as needed): costs depend on the context's length, not on
+    its tokens."""
+    ids = [t for p in prompts for t in p]
+    while len(ids) < length + 2:
+        ids = ids + ids
+    return ids[:length]
 
 
 @dataclass
@@ -145,7 +156,8 @@ def _timeit(fn, repeat: int) -> float:
 
 @torch.no_grad()
 def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, positions=GRID_POSITIONS,
-                        repeat: int = 5, wide_threads: int | None = None) -> dict[int, dict[int, float]]:
+                        repeat: int = 5, wide_threads: int | None = None,
+                        kernels: Kernels | None = None) -> dict[int, dict[int, float]]:
     """Seconds of one target forward over B rows of n positions each, every row's KV prefilled to `context`.
 
     Each B gets a fresh verifier (the cache holds exactly B rows, as in an engine with B active sequences). Repeats
@@ -153,7 +165,7 @@ def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, 
     extra = (list(context[::-1]) * (max(positions) // max(len(context), 1) + 1))[: max(positions)]
     grid: dict[int, dict[int, float]] = {}
     for b in batches:
-        verifier = TargetVerifier(target_model, wide_threads=wide_threads)
+        verifier = TargetVerifier(target_model, wide_threads=wide_threads, kernels=kernels or make_kernels())
         ids = [f"g{i}" for i in range(b)]
         for i in range(0, b, 4):  # prefill in chunks: bounded memory for the [rows, heads, q, kv] mask
             verifier.score([ScoreRequest(s, list(context), 1) for s in ids[i : i + 4]])
@@ -193,7 +205,7 @@ def measure_costs(draft: SortedDraft, target_model, context: list[int], repeat: 
     head = _timeit(lambda: draft.stack.logits(h), repeat * 4)
     if 1 not in batches:
         raise ValueError("the verify grid needs batch 1 (plain decoding's cost)")
-    grid = measure_verify_grid(target_model, context, batches, positions, repeat, wide_threads)
+    grid = measure_verify_grid(target_model, context, batches, positions, repeat, wide_threads, draft.kernels)
     deepest = draft.with_exits([draft.spec.exit_layers[-1]], [0.0])
     many = _draft_depth(deepest, context, DRAFT_ROW_BATCH, repeat, k, wide_threads)
     draft_row = max(many - exit_token[-1], 0.0) / (DRAFT_ROW_BATCH - 1)

@@ -12,9 +12,11 @@ import torch
 
 from ..build import build_draft, default_device, load_profile, load_target, set_threads
 from ..commands.engine_args import add_engine_args, engine_config
-from ..config import DATA_DIR
-from ..machines import for_machine, machine_name, store_costs
-from .calibrate import DRAFT_ROW_BATCH, GRID_BATCHES, GRID_POSITIONS, Costs, fixed_exits, measure_costs, search
+from ..config import DATA_DIR, SPEC_BENCH_QUESTIONS, TRAIN_DATA, data_file, optional_data_file
+from ..hardware import for_machine, machine_name, store_costs
+from ..prompts import sample_prompts
+from .calibrate import (DRAFT_ROW_BATCH, GRID_BATCHES, GRID_POSITIONS, Costs, context_ids, fixed_exits,
+                        measure_costs, search)
 from .data import load_examples, pack
 from .forward import SubVocab
 from .selfdistill import generate_responses, pick_rows
@@ -36,8 +38,8 @@ def register_calibrate(sub) -> None:
                         "instead of measuring them: a retrained draft of the same shape costs the same")
     p.add_argument("--context", type=int, default=256, help="tokens of KV prefilled before costs are timed")
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions per cost (the median is kept)")
-    p.add_argument("--data", default=str(DATA_DIR / "train" / "instructions.jsonl"),
-                   help="calibration instructions: the held-out split of this file (never Spec-Bench)")
+    p.add_argument("--data", default=None, help="calibration instructions: the held-out split of this file (never "
+                   "Spec-Bench); default $S2D_DATA_DIR/train/instructions.jsonl (read only when --paths is missing)")
     p.add_argument("--paths", default=None, help="JSONL of the target's greedy responses (made if missing)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--gsm8k-fraction", type=float, default=0.25)
@@ -48,16 +50,17 @@ def register_calibrate(sub) -> None:
 def data_relative(path: Path) -> str:
     """A data file as a profile records it: relative to DATA_DIR (no machine's absolute path); outside it, its name."""
     try:
-        return str(path.resolve().relative_to(DATA_DIR.resolve()))
+        if DATA_DIR is not None:
+            return str(path.resolve().relative_to(DATA_DIR.resolve()))
     except ValueError:
-        return str(path) if not path.is_absolute() else path.name
+        pass
+    return str(path) if not path.is_absolute() else path.name
 
 
 def cost_context(tokenizer, length: int) -> list[int]:
-    """`length` tokens of chat-templated questions: costs depend on the context length, not on the tokens."""
-    from ..bench.steps import bench_prompts, context_ids
-
-    return context_ids(bench_prompts(tokenizer, None, 3), length)
+    """`length` tokens of chat-templated questions (Spec-Bench's where the data directory has them, else synthetic
+    text): costs depend on the context length, not on the tokens."""
+    return context_ids(sample_prompts(tokenizer, optional_data_file(SPEC_BENCH_QUESTIONS), 3), length)
 
 
 def measure_profile_costs(cfg, args: argparse.Namespace, target=None, draft=None) -> tuple[Costs, dict]:
@@ -123,7 +126,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     paths = Path(args.paths) if args.paths else out.with_suffix(".paths.jsonl")
     if not paths.exists():
-        rows = pick_rows(Path(args.data), args.num_prompts, 0, "heldout", {"gsm8k_train": args.gsm8k_fraction})
+        data = Path(args.data) if args.data else data_file(TRAIN_DATA, "--data (or --paths)")
+        rows = pick_rows(data, args.num_prompts, 0, "heldout", {"gsm8k_train": args.gsm8k_fraction})
         generate_responses(cfg.target.resolved_source, rows, paths, args.max_new_tokens, threads=args.threads)
     target = load_target(cfg)
     draft = build_draft(cfg, target, load_profile(cfg))
@@ -149,7 +153,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
                "fixed_exits_modelled": alone,
                "on_path": summarize(preds, exits, best["thresholds"]),
                **measured,
-               "calibration_set": {"file": data_relative(Path(args.data)), "split": "heldout", "paths": str(paths),
+               "calibration_set": {"file": data_relative(Path(args.data)) if args.data else TRAIN_DATA,
+                                   "split": "heldout", "paths": str(paths),
                                    "responses": len(preds), "tokens": sum(len(p.labels) for p in preds)},
                "top5": [{**r, "speedup": round(r["speedup"], 4), "mat": round(r["mat"], 4)} for r in ranked[:5]]}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from ..build import set_threads
 from ..commands.engine_args import FLOATS, INTS
-from ..config import DATA_DIR, DEFAULT_TARGET
+from ..config import DEFAULT_TARGET, GSM8K_TEST, TRAIN_DATA, data_file
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
-DEFAULT_DATA = str(DATA_DIR / "train" / "instructions.jsonl")
+DATA_HELP = "(default $S2D_DATA_DIR/train/instructions.jsonl)"
 
 
 def register(sub) -> None:
@@ -32,8 +32,8 @@ def _register_train(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="the model whose first layers the draft copies")
     p.add_argument("--out", required=True, help="run directory (checkpoints, metrics.jsonl)")
     p.add_argument("--save", default=None, help="write the trained draft directory here at the end")
-    p.add_argument("--data", nargs="+", default=[DEFAULT_DATA], 
-                   help="JSONL instruction rows / ShareGPT / self-distilled")
+    p.add_argument("--data", nargs="+", default=None,
+                   help=f"JSONL instruction rows / ShareGPT / self-distilled {DATA_HELP}")
     p.add_argument("--sources", nargs="+", default=None, help="only rows whose `source` starts with one of these")
     p.add_argument("--layers", type=int, default=6, help="number of draft layers L")
     p.add_argument("--exits", type=INTS, default=None, help="exit layers, e.g. 2,4,6 (default: thirds of L)")
@@ -48,8 +48,8 @@ def _register_train(sub) -> None:
                         "then KD reads them instead of running the targets every step")
     p.add_argument("--kd-topk", type=int, default=32, help="logits kept per position in --kd-cache")
     p.add_argument("--kd-cache-dtype", default=None, choices=["float32", "bfloat16", "auto"],
-                   help="run the targets in this dtype to build --kd-cache (bfloat16: ~2x faster on CPUs with "
-                        "AVX512-BF16, ~10x slower without; auto: bfloat16 where it is the fast path, as --dtype auto; "
+                   help="run the targets in this dtype to build --kd-cache (bfloat16: faster on CPUs with "
+                        "AVX512-BF16, much slower without; auto: bfloat16 where it is the fast path, as --dtype auto; "
                         "default: the training dtype)")
     p.add_argument("--train-norm-head", action="store_true", help="also train an own copy of norm and LM head")
     p.add_argument("--vocab-size", type=int, default=0, help="reduced draft vocabulary (0 = full)")
@@ -77,8 +77,8 @@ def _register_train(sub) -> None:
                         "checkpoints hold CPU tensors, so a run may resume on another device")
     p.add_argument("--autocast", default=None, choices=["bfloat16", "auto"],
                    help="the draft's forward and backward under bf16 autocast, weights and losses in float32 (auto: "
-                        "where bf16 is the fast path: AVX512-BF16/AMX CPUs, CUDA); ~2x a step on such a CPU")
-    p.add_argument("--init", default=None, help="start from this draft directory (e.g. an earlier stage; it may have "
+                        "where bf16 is the fast path: AVX512-BF16/AMX CPUs, CUDA); a faster step on such a CPU")
+    p.add_argument("--init", default=None, help="start from this draft directory (e.g. a shorter run's draft; it may have "
                    "fewer layers than --layers: a deeper draft grows from it, the target's next layers after)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--resume-draft", default=None, metavar="DIR",
@@ -107,7 +107,8 @@ def run_train(args: argparse.Namespace) -> int:
         manifest = export_checkpoint(Path(args.out), Path(args.save), "s2d " + shlex.join(sys.argv[1:]))
         print(json.dumps({k: manifest[k] for k in ("steps", "train_tokens", "wall_s")}))
         return 0
-    cfg = SoftConfig(target=args.target, out=args.out, data=args.data, sources=args.sources, num_layers=args.layers,
+    data = args.data or [str(data_file(TRAIN_DATA, "--data"))]
+    cfg = SoftConfig(target=args.target, out=args.out, data=data, sources=args.sources, num_layers=args.layers,
                      exit_layers=args.exits, exit_weights=args.exit_weights, kd_targets=args.kd_target,
                      kd_weight=args.kd_weight, kd_temperature=args.kd_temperature,
                      kd_cache=args.kd_cache, kd_topk=args.kd_topk, exit_distill=args.exit_distill,
@@ -149,7 +150,7 @@ def _register_selfdistill(sub) -> None:
     p = sub.add_parser("self-distill", help="generate the targets' own greedy responses to training instructions")
     p.add_argument("--target", nargs="+", default=[DEFAULT_TARGET],
                    help="one or more targets; several need a directory --out (chunks go round-robin over them)")
-    p.add_argument("--data", default=DEFAULT_DATA)
+    p.add_argument("--data", default=None, help=f"instruction rows {DATA_HELP}")
     p.add_argument("--out", required=True,
                    help="a .jsonl file to append to (one target), or a directory of gzip chunks; both resumable")
     p.add_argument("--split", choices=["train", "heldout"], default="train")
@@ -160,7 +161,7 @@ def _register_selfdistill(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="bfloat16 decodes a batch ~2x faster on CPUs with AVX512-BF16/AMX (and on GPUs)")
+                   help="bfloat16 decodes a batch faster on CPUs with AVX512-BF16/AMX (and on GPUs)")
     p.add_argument("--stop-after", type=int, default=None, help="directory mode: stop after N more chunks")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="directory mode: only chunks whose index %% N == I (N processes share one --out)")
@@ -179,13 +180,14 @@ def run_selfdistill(args: argparse.Namespace) -> int:
         raise ValueError("several --target need a directory --out (not a .jsonl file)")
     set_threads(args.threads)
     fraction = {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None
-    rows = pick_rows(Path(args.data), args.num, args.seed, args.split, fraction)
+    data = Path(args.data) if args.data else data_file(TRAIN_DATA, "--data")
+    rows = pick_rows(data, args.num, args.seed, args.split, fraction)
     if single:
         made = generate_responses(args.target[0], rows, out, args.max_new_tokens, args.batch_size,
                                   threads=args.threads, dtype=args.dtype)
         print(json.dumps({"rows": len(rows), "generated_tokens": made, "out": args.out}))
         return 0
-    picked = {"data": Path(args.data).name, "data_sha256_16": data_hash([Path(args.data)]), "split": args.split,
+    picked = {"data": data.name, "data_sha256_16": data_hash([data]), "split": args.split,
               "num": args.num, "gsm8k_fraction": args.gsm8k_fraction, "seed": args.seed}
     info = generate_chunks(args.target, rows, out, picked, args.max_new_tokens, args.batch_size, threads=args.threads,
                            dtype=args.dtype, stop_after=args.stop_after, shard=parse_shard(args.shard))
@@ -196,7 +198,7 @@ def run_selfdistill(args: argparse.Namespace) -> int:
 def _register_lora(sub) -> None:
     p = sub.add_parser("train-lora", help="fit a LoRA adapter on the gsm8k_train rows (the second target)")
     p.add_argument("--base", default=DEFAULT_TARGET)
-    p.add_argument("--data", default=DEFAULT_DATA)
+    p.add_argument("--data", default=None, help=f"instruction rows with gsm8k_train sources {DATA_HELP}")
     p.add_argument("--out", required=True, help="adapter directory (what PeftModel.save_pretrained writes)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=8)
@@ -207,7 +209,7 @@ def _register_lora(sub) -> None:
     p.set_defaults(func=run_lora)
     e = sub.add_parser("eval-gsm8k", help="greedy GSM8K accuracy of a target (decoded by the engine, ar mode)")
     e.add_argument("--target", default=DEFAULT_TARGET)
-    e.add_argument("--test", default=str(DATA_DIR / "gsm8k_test_dev" / "test_dev.jsonl"))
+    e.add_argument("--test", default=None, help="GSM8K problems (default $S2D_DATA_DIR/gsm8k_test_dev/test_dev.jsonl)")
     e.add_argument("--num", type=int, default=50, help="first N problems")
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--batch-size", type=int, default=16)
@@ -223,7 +225,8 @@ def run_lora(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1:
         raise ValueError("--steps and --batch-size must be >= 1")
     set_threads(args.threads)
-    info = train_lora(args.base, Path(args.data), Path(args.out), args.steps, args.batch_size, args.lr, args.rank,
+    data = Path(args.data) if args.data else data_file(TRAIN_DATA, "--data")
+    info = train_lora(args.base, data, Path(args.out), args.steps, args.batch_size, args.lr, args.rank,
                       seed=args.seed)
     print(json.dumps(info))
     return 0
@@ -235,7 +238,8 @@ def run_eval_gsm8k(args: argparse.Namespace) -> int:
     if args.num < 1:
         raise ValueError("--num must be >= 1")
     set_threads(args.threads)
-    res = gsm8k_accuracy(args.target, Path(args.test), args.num, args.max_new_tokens, args.batch_size, args.threads,
+    test = Path(args.test) if args.test else data_file(GSM8K_TEST, "--test")
+    res = gsm8k_accuracy(args.target, test, args.num, args.max_new_tokens, args.batch_size, args.threads,
                          args.dtype)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

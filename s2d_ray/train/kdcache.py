@@ -1,10 +1,11 @@
 """A cache of the KD targets' top-k logits at every labelled position of the packed training rows.
 
 KD with the target's full distribution runs the target's forward (30 layers for SmolLM2-135M) at every step, for
-every epoch and every stage on the same data: most of a step's time. The cache runs it once, storing per labelled
+every epoch and every run on the same data: most of a step's time. The cache runs it once, storing per labelled
 position the k largest logits over the FULL vocabulary (float16) and their ids (int16, offset by 2^15: vocabularies
-up to 65,536), so one cache serves any reduced draft vocabulary; 4 bytes per id and logit. Files are written per chunk of rows, atomically, so building resumes after a kill; a trainer builds them lazily, in
-the order it visits the rows (`TopKCache`).
+up to 65,536), so one cache serves any reduced draft vocabulary; 4 bytes per id and logit. Files are written per
+chunk of rows, atomically, so building resumes after a kill; a trainer builds them lazily, in the order it visits
+the rows (`TopKCache`).
 
 Contract of the cached loss (`TopK` in forward.py): the target's distribution is its softmax over the cached ids
 that are in the draft's vocabulary, renormalised (at the KD temperature); KL(target || draft) sums over those ids.
@@ -110,10 +111,9 @@ class TopKCache:
         """Compute the missing chunks (or those of `chunks` that are missing) with the target's forward, on the
         model's device; returns how many were computed.
 
-        Parts hold CPU tensors, the same layout whichever device computed them. On the CPU one forward per chunk (as
-        the rates in docs/TRAINING.md were measured); elsewhere `chunks_per_forward` chunks (default 16: 64 rows of
-        256) share a forward, so a GPU is not bound by launching 30 layers' kernels for 4 rows at a time, and each
-        chunk's slice is written as its own part as before."""
+        Parts hold CPU tensors, the same layout whichever device computed them. On the CPU one forward per chunk;
+        elsewhere `chunks_per_forward` chunks (default 16: 64 rows of 256) share a forward, so a GPU is not bound by
+        launching 30 layers' kernels for 4 rows at a time, and each chunk's slice is still written as its own part."""
         chunks_per_forward = _chunks_per_forward(model, chunks_per_forward)
         todo = self.missing() if chunks is None else [c for c in chunks if not self._part(c).exists()]
         full = SubVocab(None, model.config.vocab_size)
@@ -180,9 +180,9 @@ class TopKCache:
 
         The cache stays in CPU memory (GBs for the full data) and only the batch's rows travel, as stored (float16 +
         int16: 4 bytes per kept logit), widened on the device. At 2 x 256 tokens and k = 32 that is ~525 positions x
-        32 x 4 B = 67 kB a step. The CPU gather of those rows from a 2.7M-position cache took 0.07 ms (median; p90
-        0.17 ms; one thread, this 2-core CPU), and a pageable host-to-device copy of 67 kB is latency-bound (tens of
-        us), against milliseconds of GPU work per step. Pinning would only let the copy overlap: pinning the whole
+        32 x 4 B = 67 kB a step. Gathering those rows on the CPU is a small fraction of a millisecond even from a
+        cache of millions of positions, and a pageable host-to-device copy of 67 kB is latency-bound (tens of us),
+        against milliseconds of GPU work per step. Pinning would only let the copy overlap: pinning the whole
         cache locks GBs of host memory and costs seconds up front, pinning a staging copy per batch adds a host copy
         and a pinned allocation per step; at 67 kB neither can save more than those tens of us."""
         if batch.row is None:

@@ -35,7 +35,10 @@ def train_lora(base: str, data: Path, out: Path, steps: int, batch_size: int = 8
     lm = load_model(base, dtype=torch.float32)
     examples = load_examples([data], lm.tokenizer, "train", sources=["gsm8k_train"])
     examples = [e for e in examples if len(e[0]) <= max_len]
+    # The adapter names its base by the project's model name (what `NamedSource.base` resolves), not by the path of
+    # the converted model on this machine.
     model = get_peft_model(lm.model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                base_model_name_or_path=base,
                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
                                                                 "gate_proj", "up_proj", "down_proj"]))
     model.train()

@@ -23,10 +23,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import DATA_DIR
-from ..dtypes import resolve_dtype
+from ..hardware import resolve_dtype
 from ..core.draft import SortedDraft, default_exits, paper_thresholds
+from ..build import make_kernels
 from ..models import load_model
+from ..models.drafts import load_draft, save_draft
 from .data import Packed, batches, data_hash, load_examples, pack, visit_order
 from .forward import SubVocab, exit_logits, soft_loss, target_logits
 from .kdcache import TopKCache, target_cache_dir
@@ -38,7 +39,7 @@ CKPT = "checkpoint.pt"
 # tensors and load onto any device; its directory, its KD cache's and its thread count are the new machine's) and how
 # often it checkpoints. None of them changes what a step computes (the KD cache checks its own rows and settings)
 # beyond rounding: the same holds for the precision the new machine computes fast, the targets' dtype while they build
-# the KD cache and bf16 autocast of the draft's steps (a CPU without AVX512-BF16 runs bf16 ~10x slower than fp32; a
+# the KD cache and bf16 autocast of the draft's steps (a CPU without AVX512-BF16 runs bf16 far slower than fp32; a
 # cache of another dtype is refused by the cache itself, so one cache never mixes two).
 RESUME_MAY_CHANGE = ("steps", "device", "ckpt_every", "out", "kd_cache", "threads", "kd_cache_dtype", "autocast")
 DEVICES = ("auto", "cpu", "cuda")
@@ -50,7 +51,7 @@ class SoftConfig:
 
     target: str = "smollm2-135m-instruct"
     out: str = "runs/draft"
-    data: list[str] = field(default_factory=lambda: [str(DATA_DIR / "train" / "instructions.jsonl")])
+    data: list[str] = field(default_factory=list)  # training files (the CLI defaults to the data directory's)
     sources: list[str] | None = None
     num_layers: int = 6
     exit_layers: list[int] | None = None
@@ -91,8 +92,9 @@ class SoftConfig:
 
 def resolve_autocast(name: str | None, device: torch.device) -> bool:
     """Whether the draft's steps run under bf16 autocast: `bfloat16` yes, `auto` where bf16 is the fast path on the
-    device (dtypes.resolve_dtype: AVX512-BF16/AMX CPUs, CUDA), None no. Weights, optimiser and losses stay float32;
-    the matmuls run in bf16: ~2x a step on an AVX512-BF16 CPU, losses within ~1e-3 (docs/TRAINING.md)."""
+    device (hardware.resolve_dtype: AVX512-BF16/AMX CPUs, CUDA), None no. Weights, optimiser and losses stay
+    float32; the matmuls run in bf16, so a step is faster on an AVX512-BF16 CPU and its losses stay close to fp32's
+    (docs/TRAINING.md)."""
     if name is None:
         return False
     if name not in ("bfloat16", "auto"):
@@ -145,7 +147,7 @@ class Run:
         if not self.examples:
             raise ValueError(f"no training examples in {cfg.data} (sources={cfg.sources})")
         self.rows = pack(self.examples, cfg.seq_len)
-        init = SortedDraft.load(Path(cfg.init), self.target.model) if cfg.init else None
+        init = load_draft(Path(cfg.init), self.target.model) if cfg.init else None
         picked = init.vocab_ids if init is not None and init.vocab_ids is not None else self._pick_vocab()
         self.vocab = SubVocab(picked, self.target.model.config.vocab_size)
         self.draft, self.params = self._make_draft()
@@ -214,7 +216,7 @@ class Run:
         cfg = self.cfg
         exits = cfg.exits()
         draft = SortedDraft.cut(self.target.model, cfg.target, cfg.num_layers, exits, paper_thresholds(len(exits)),
-                                copy_layers=True)
+                                copy_layers=True, kernels=make_kernels())
         draft.requires_grad_(False)
         draft.layers.requires_grad_(True)
         params = list(draft.layers.parameters())
@@ -229,7 +231,7 @@ class Run:
         return draft, params
 
     def _load_init(self, init: SortedDraft, grow: bool = False) -> None:
-        """Start from a saved draft (e.g. a first training stage). With `grow`, a shallower draft is the first
+        """Start from a saved draft (e.g. a shorter run's). With `grow`, a shallower draft is the first
         layers of a deeper one (the rest stay copies of the target's next layers, as a fresh run makes them): a
         deeper draft then starts from what the trained one learnt instead of from the target's cut."""
         have, want = init.spec.num_layers, self.cfg.num_layers
@@ -367,14 +369,14 @@ class Run:
 
     def resume_from_draft(self, directory: Path) -> None:
         """Continue this run from a draft it exported (`--save`, `--export-only`): what carries a run to a machine
-        without its checkpoint. The export is ~1/6 of a checkpoint (bf16 weights, no optimiser: 50 MB against ~310
-        for the 6-layer draft), so it can be committed. Not bit-exact: weights come back rounded to bf16 and Adam's
+        without its checkpoint. The export is ~1/6 of a checkpoint (bf16 weights, no optimiser), so it is what
+        travels. Not bit-exact: weights come back rounded to bf16 and Adam's
         moments restart, so the learning rate warms up again (as at the start) from the exported step; data order,
         schedule position and the curve continue."""
         directory = Path(directory)
         manifest = json.loads((directory / "MANIFEST.json").read_text())
         self._check_same_run(manifest["config"], directory)
-        init = SortedDraft.load(directory, self.target.model)
+        init = load_draft(directory, self.target.model)
         mine = None if self.vocab.ids is None else self.vocab.ids.cpu()
         if (init.vocab_ids is None) != (mine is None) or (mine is not None and not torch.equal(init.vocab_ids, mine)):
             raise ValueError(f"{directory} has another draft vocabulary than this run")
@@ -402,7 +404,7 @@ class Run:
     def save_draft(self, directory: Path, command: str, dtype: torch.dtype = torch.bfloat16) -> dict:
         draft = self.export()
         draft.spec.provenance = {"trained_by": "s2d train-draft", "target": self.cfg.target, "steps": self.step}
-        draft.save(directory, dtype=dtype)
+        save_draft(draft, directory, dtype=dtype)
         manifest = {"command": command, "config": asdict(self.cfg),
                     "data_sha256_16": data_hash([Path(p) for p in self.cfg.data]), "steps": self.step,
                     "train_tokens": self.tokens, "wall_s": round(self.wall, 1),

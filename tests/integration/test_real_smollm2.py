@@ -10,7 +10,10 @@ from s2d_ray.core.draft import SortedDraft, SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.policy import HeuristicK
 from s2d_ray.core.target import TargetVerifier
+from s2d_ray.kernels import CpuKernels
 from s2d_ray.prompts import encode_prompt
+
+KERNELS = CpuKernels()  # the backend the shipped entry points inject
 
 pytestmark = pytest.mark.real
 
@@ -43,7 +46,7 @@ def bf16_draft(smollm2):
     import copy
 
     twin = copy.deepcopy(smollm2.model).to(torch.bfloat16)
-    return SortedDraft.cut(twin, "smollm2-bf16", 30, [10, 20, 30], [0.9, 0.9, 0.0])
+    return SortedDraft.cut(twin, "smollm2-bf16", 30, [10, 20, 30], [0.9, 0.9, 0.0], kernels=KERNELS)
 
 
 def test_greedy_s2d_equals_target_on_real_weights(smollm2, bf16_draft):
@@ -51,9 +54,9 @@ def test_greedy_s2d_equals_target_on_real_weights(smollm2, bf16_draft):
     tok = smollm2.tokenizer
     prompts = [encode_prompt(tok, p, chat=True) for p in PROMPTS]
     eos = (tok.eos_token_id,)
-    ar = SpecEngine(TargetVerifier(smollm2.model)).generate(
+    ar = SpecEngine(TargetVerifier(smollm2.model, kernels=KERNELS)).generate(
         [GenerationRequest(f"p{i}", p, 24, stop_token_ids=eos) for i, p in enumerate(prompts)])
-    spec = SpecEngine(TargetVerifier(smollm2.model), SortedDrafter(bf16_draft), HeuristicK())
+    spec = SpecEngine(TargetVerifier(smollm2.model, kernels=KERNELS), SortedDrafter(bf16_draft), HeuristicK())
     out = spec.generate([GenerationRequest(f"p{i}", p, 24, stop_token_ids=eos) for i, p in enumerate(prompts)])
     for p, a, s in zip(prompts, ar, out):
         assert_same_or_near_tie(smollm2.model, p, a.token_ids, s.token_ids)
@@ -65,7 +68,7 @@ def test_ar_mode_matches_transformers_generate(smollm2):
     torch.set_num_threads(2)
     tok = smollm2.tokenizer
     ids = encode_prompt(tok, PROMPTS[0], chat=True)
-    ours = SpecEngine(TargetVerifier(smollm2.model)).generate([GenerationRequest("a", ids, 48)])[0].token_ids
+    ours = SpecEngine(TargetVerifier(smollm2.model, kernels=KERNELS)).generate([GenerationRequest("a", ids, 48)])[0].token_ids
     with torch.no_grad():
         # An explicit mask: the chat prompt contains <|im_end|>, which is also the pad id, and generate would
         # otherwise infer a mask that hides those prompt tokens.
@@ -80,8 +83,8 @@ def test_logprobs_match_a_plain_forward_on_real_weights(smollm2, bf16_draft):
     torch.set_num_threads(2)
     tok = smollm2.tokenizer
     prompt = encode_prompt(tok, PROMPTS[0], chat=True)
-    engines = {"ar": SpecEngine(TargetVerifier(smollm2.model)),
-               "s2d": SpecEngine(TargetVerifier(smollm2.model), SortedDrafter(bf16_draft), HeuristicK())}
+    engines = {"ar": SpecEngine(TargetVerifier(smollm2.model, kernels=KERNELS)),
+               "s2d": SpecEngine(TargetVerifier(smollm2.model, kernels=KERNELS), SortedDrafter(bf16_draft), HeuristicK())}
     for name, engine in engines.items():
         res = engine.generate([GenerationRequest(name, prompt, 16, logprobs=3, prompt_logprobs=True)])[0]
         with torch.no_grad():

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from helpers import make_tiny_llama, make_tiny_tokenizer  # noqa: E402
 from serve_helpers import API_KEY  # noqa: E402
 from s2d_ray.core.draft import DraftSpec, SortedDraft  # noqa: E402
+from s2d_ray.models.drafts import save_draft  # noqa: E402
 from s2d_ray.core.stack import decoder_parts  # noqa: E402
 
 DEPLOY_TIMEOUT_S = 240
@@ -64,7 +65,7 @@ def save_tiny_family(root: Path) -> dict[str, Path]:
         for p in layers.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.08)
     spec = DraftSpec(str(dirs["a"]), 3, [1, 2, 3], [0.05, 0.05, 0.0])
-    SortedDraft(decoder_parts(a), spec, layers).save(dirs["draft"], dtype=torch.float64)
+    save_draft(SortedDraft(decoder_parts(a), spec, layers), dirs["draft"], dtype=torch.float64)
     return dirs
 
 
@@ -104,8 +105,8 @@ def deploy(app, name: str, port: int, config: dict) -> ServeApp:
 
 
 def undeploy(name: str) -> None:
-    """Delete an app: a full suite keeps many apps alive in one 24 GiB machine, and Ray's memory monitor kills the
-    Serve controller when the node nears its threshold (seen: mid-way through the autoscaling test)."""
+    """Delete an app: a full suite would otherwise keep many apps alive on one machine, and Ray's memory monitor
+    kills the Serve controller when the node nears its threshold."""
     from ray import serve
 
     serve.delete(name)
@@ -168,7 +169,7 @@ def real_app(serve_instance):
         "num_threads": 1,
     }
     yield deploy(build_app(cfg), "real", serve_instance, cfg)
-    undeploy("real")  # one module uses it: its replicas (~450 MiB each) must not outlive the module
+    undeploy("real")  # one module uses it: its replicas (torch and a model each) must not outlive the module
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +185,7 @@ def real_tp_app(serve_instance):
         "num_threads": 1,
     }
     yield deploy(build_app(cfg), "realtp", serve_instance, cfg)
-    undeploy("realtp")  # one module uses it: its replicas (~450 MiB each) must not outlive the module
+    undeploy("realtp")  # one module uses it: its replicas (torch and a model each) must not outlive the module
 
 
 @pytest.fixture(scope="module")
@@ -209,4 +210,4 @@ def faults_app(serve_instance, tiny_family):
         "num_threads": 1,
     }
     yield deploy(build_app(cfg), "faults", serve_instance, cfg)
-    undeploy("faults")  # one module uses it: its replicas (~450 MiB each) must not outlive the module
+    undeploy("faults")  # one module uses it: its replicas (torch and a model each) must not outlive the module

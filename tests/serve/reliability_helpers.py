@@ -34,7 +34,7 @@ def deploy_app(app, name: str, port: int, config: dict):
 
 
 def delete_app(name: str) -> None:
-    """Delete an app this module deployed: its replicas (~450 MiB each with torch) must not outlive the module."""
+    """Delete an app this module deployed: its replicas (torch and a model each) must not outlive the module."""
     from ray import serve
 
     serve.delete(name)

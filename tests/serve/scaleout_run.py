@@ -1,17 +1,17 @@
-"""Issue 14's reproduction as one command: deploy deployments/replicas.yaml (2 replicas each of router, draft and
-target; `--replicas 1` for the baseline) on a private local Ray, send streaming requests at concurrency 16 with
+"""A scale-out check as one command: deploy deployments/replicas.yaml (2 replicas each of router, draft and target;
+`--replicas 1` for the baseline) on a private local Ray, send streaming requests at concurrency 16 with
 `s2d bench serve`'s load, and print one JSON line: tok/s, errors, generated and recomputed tokens (per deployment and
 replica, from every router's /health), and the peak RSS of every replica process (sampled during the load).
 
-    PYTHONPATH=$PWD flock /tmp/s2d-heavy.lock timeout 1800 .venv/bin/python tests/serve/scaleout_run.py --requests 32
+    PYTHONPATH=$PWD timeout 1800 .venv/bin/python tests/serve/scaleout_run.py --requests 32
 
-`--scale-down-at 60` redeploys the app with one replica of each 60 s into the load (the scale-down by redeploy of
-issue 14): every request must still complete. Recomputed tokens of replicas that went away are lost with their
-routers, so the figure then undercounts. `--kill draft --kill-at 10` (or `--kill target-<name>`) kills one replica of
-that deployment 10 s into the load (a fault under load). `--check-greedy` asks for every response's token ids and,
-once the app is gone (so the CPUs are free), compares them with in-process greedy decoding of the same prompt by the
-project's engine (`--mode ar`, same target, same dtype; `s2d_ray/bench/greedy_check.py`); `--dtype float32` serves
-(and checks) in fp32, where equality must be exact.
+`--scale-down-at 60` redeploys the app with one replica of each 60 s into the load (a scale-down by redeploy): every
+request must still complete. Recomputed tokens of replicas that went away are lost with their routers, so the figure
+then undercounts. `--kill draft --kill-at 10` (or `--kill target-<name>`) kills one replica of that deployment 10 s
+into the load (a fault under load). `--check-greedy` asks for every response's token ids and, once the app is gone
+(so the CPUs are free), compares them with in-process greedy decoding of the same prompt by the project's engine
+(`--mode ar`, same target, same dtype; `s2d_ray/bench/greedy_check.py`); `--dtype float32` serves (and checks) in
+fp32, where equality must be exact.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main() -> None:
                         help="in-process greedy ids kept across runs (keyed by target, dtype, prompt, max_tokens)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON line's object here")
     parser.add_argument("--questions", type=Path, default=None, help="Spec-Bench question.jsonl (default: "
-                        "../shared/data/spec_bench next to the checkout)")
+                        "$S2D_DATA_DIR/spec_bench/question.jsonl if it exists, else four built-in prompts)")
     args = parser.parse_args()
 
     import ray

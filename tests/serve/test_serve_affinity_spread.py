@@ -1,8 +1,8 @@
 """Load balance with few routers (real Ray Serve, 127.0.0.1, tiny float64 models): ONE router, 2 draft and 2 target
 replicas. Each sequence has its own affinity key, so the router's live sequences spread over both replicas of each
 deployment (a round is one call per replica), while each sequence's rounds stay on the replica holding its KV: nothing
-is recomputed and every output equals in-process greedy. With one key per router (the scheme before), all of the
-router's rounds went to one replica of each deployment and the other idled (this test's first assertion)."""
+is recomputed and every output equals in-process greedy. With one key per router instead, all of the router's
+rounds would go to one replica of each deployment and the other would idle (this test's first assertion)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from s2d_ray.serve.affinity_keys import (
+from s2d_ray.serve.affinity import (
     home_replicas, preferred_order, publish_replicas, sequence_key, split_by_replica, split_call,
 )
 

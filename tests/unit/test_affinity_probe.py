@@ -8,7 +8,7 @@ import asyncio
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 from ray.serve._private.request_router.request_router import RequestRouter
 
-from s2d_ray.serve.affinity import SequenceAffinityRouter
+from s2d_ray.serve.affinity_router import SequenceAffinityRouter
 
 BUSY_S = 0.3  # a loaded replica's probe answer: over Serve's 0.1 s default, under ours
 
@@ -44,7 +44,7 @@ def test_busy_home_replica_keeps_the_call():
 
 
 def test_serve_default_deadline_would_pass_the_call_on():
-    """What happened before: the same busy replica counts as unavailable (the next rank takes the call)."""
+    """Serve's default deadline: the same busy replica counts as unavailable (the next rank takes the call)."""
 
     class DefaultDeadline(SequenceAffinityRouter):
         queue_len_response_deadline_s = RequestRouter.queue_len_response_deadline_s

@@ -3,12 +3,13 @@ either innermost kernel (grouped matmuls, or torch's SDPA where it measures fast
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-import itertools
-
 from s2d_ray.core.attention import grouped_attention, plan_kv_groups
+from s2d_ray.kernels import GROUPED, CpuKernels
 
 
 def sdpa(query, key, value, mask, scaling):
@@ -55,14 +56,16 @@ def test_a_swapped_group_order_would_differ():
 
 
 def test_engine_layers_use_grouped_and_transformers_baselines_get_stock_sdpa():
+    """The CPU backend routes the layers (their model's own config) to grouped attention; the stock default leaves
+    them as they are."""
     from core_fixtures import tiny_target
     from s2d_ray.bench.methods import HFGenerate
-    from s2d_ray.core.attention import GROUPED
     from s2d_ray.core.target import TargetVerifier
     from s2d_ray.core.types import SamplingParams
 
     model = tiny_target(seed=1)
-    TargetVerifier(model)
+    assert not TargetVerifier(model).stack.grouped and model.config._attn_implementation == "sdpa"
+    assert TargetVerifier(model, kernels=CpuKernels()).stack.grouped
     assert model.config._attn_implementation == GROUPED
     seen = []
     layer = model.model.layers[0].self_attn
@@ -147,13 +150,13 @@ def test_the_faster_kernel_is_chosen_by_measurement_and_reaches_the_layers(monke
     import time
 
     import s2d_ray.core.attention as attention
-    import s2d_ray.core.stack as stack
     from core_fixtures import random_prompts, tiny_target
     from s2d_ray.core.engine import SpecEngine
     from s2d_ray.core.target import TargetVerifier
+    from s2d_ray.kernels.attention import sdpa_is_faster
     from test_engine_exact import run
 
-    real = attention._attend
+    real = attention.attend
 
     def slowed(which):
         def attend(q, k, v, m, scale, kernel=False):
@@ -162,19 +165,17 @@ def test_the_faster_kernel_is_chosen_by_measurement_and_reaches_the_layers(monke
             return real(q, k, v, m, scale, kernel)
         return attend
 
-    monkeypatch.setenv("S2D_KERNEL_TIMES", "off")  # this process's measurement alone (not the least times kept)
-    measure = attention.sdpa_is_faster.__wrapped__  # not the per-process cache
-    monkeypatch.setattr(attention, "_attend", slowed(True))
-    assert measure(4, 2, 8, torch.float64, 32, 3) is False
-    monkeypatch.setattr(attention, "_attend", slowed(False))
-    assert measure(4, 2, 8, torch.float64, 32, 3) is True
-    monkeypatch.setattr(attention, "_attend", real)
+    measure = sdpa_is_faster.__wrapped__  # not the per-process cache; no store: this process's measurement alone
+    monkeypatch.setattr(attention, "attend", slowed(True))
+    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) is False
+    monkeypatch.setattr(attention, "attend", slowed(False))
+    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) is True
+    monkeypatch.setattr(attention, "attend", real)
 
     seen, outs = [], {}
     for kernel in ("grouped", "sdpa"):
-        monkeypatch.setattr(stack, "ATTENTION_KERNEL", kernel)
         model = tiny_target(seed=3)
-        verifier = TargetVerifier(model)
+        verifier = TargetVerifier(model, kernels=CpuKernels(attention_kernel=kernel))
         assert verifier.stack.sdpa_kernel is (kernel == "sdpa")
         hook = model.model.layers[0].self_attn.register_forward_pre_hook(
             lambda mod, args, kwargs: seen.append((kernel, kwargs.get("sdpa", False))), with_kwargs=True)

@@ -15,10 +15,11 @@ import torch
 from helpers import save_tiny_llama
 from s2d_ray.bench.methods import HFGenerate, MethodStats
 from s2d_ray.bench.report import summarize
-from s2d_ray.bench.spec import Question, SpecRun, first_mismatch, read_questions, run_target, select_questions
+from s2d_ray.bench.spec import SpecRun, first_mismatch, run_target
 from s2d_ray.cli import main
 from s2d_ray.core.types import SamplingParams
 from s2d_ray.models import load_model
+from s2d_ray.prompts import Question, read_questions, select_questions
 
 ROWS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
@@ -333,10 +334,43 @@ def test_compare_plain_runs_each_level_both_ways_and_reports_the_ratio(sse_serve
     assert plot_load(result, tmp_path / "cmp.png").stat().st_size > 1000
 
 
+class CountingTwin:
+    """An in-process twin as `run_load` sees it (`run`), decoding nothing: 10 tokens per request in 0.1 s."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def run(self, concurrency: int, requests: int, max_tokens: int, temperature: float, speculate: bool) -> dict:
+        self.calls.append((concurrency, requests, speculate))
+        return {"requests": requests, "output_tokens": 10 * requests, "throughput_tokens_per_s": 100.0,
+                "rounds": 5 * requests, "prompt_rounds": requests, "prompt_round_s": 0.01 * requests,
+                "decode_round_s": 0.09 * requests, "token_ids": [[0] * 10] * requests}
+
+
+def test_twin_pairs_alternate_served_and_in_process_runs_of_the_same_requests(sse_server):
+    """`--twin`: each variant is decoded once by the twin first (not counted), then `twin_pairs` pairs at
+    concurrency 1 alternate which side goes first, and the twin decodes exactly the requests the served level sent."""
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+
+    twin = CountingTwin()
+    run = LoadRun(sse_server, "m", [1], requests=2, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True,
+                  twin_pairs=2)
+    result = asyncio.run(run_load(run, ["a", "b"], twin))
+    pairs = result["twin"]["pairs"]
+    assert [(x["pair"], x["variant"], x["first"]) for x in pairs] == [
+        (0, "speculative", "served"), (0, "plain", "served"), (1, "speculative", "twin"), (1, "plain", "twin")]
+    assert twin.calls == [(1, 2, True), (1, 2, False)] * 3  # the warm-up pass, then one run per pair and variant
+    assert all(x["served"]["sent"] == x["twin"]["requests"] == 2 and x["equal_tokens"] for x in pairs)
+    assert set(result["twin"]["median_ratio"]) == {"speculative", "plain"}
+    assert "Median served / twin" in serve_markdown(result)
+
+
 def test_compare_plain_sends_the_plain_run_the_same_requests_as_the_speculative_one(sse_server):
     """Where `max_seconds` ends a level, the faster speculative run covers more prompts than the plain run would in the
     same time (here about 4 requests of 50 ms against 2 of 100 ms in 0.18 s): the plain run sends exactly the same
-    requests, so both rates are over the same work (session 23 compared 14 prompts against 12)."""
+    requests, so both rates are over the same work."""
     import asyncio
 
     from s2d_ray.bench.serve import LoadRun, run_load
@@ -425,7 +459,8 @@ def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
     round and a call per chunk: 5 per request, 10 with speculate false); the markdown tabulates them."""
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown, timing_delta
+    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+    from s2d_ray.bench.server_clocks import timing_delta
 
     run = LoadRun(sse_server, "m", [1, 2], requests=4, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True)
     result = asyncio.run(run_load(run, ["hello"]))
@@ -445,7 +480,8 @@ def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
 def test_each_level_shows_where_its_rounds_went_by_kind():
     """The budget's `spent` account (cumulative rounds, seconds, tokens per kind of round) is diffed per level and
     tabulated with ms per token; kinds a level did not run stay out."""
-    from s2d_ray.bench.serve import serve_markdown, timing_delta
+    from s2d_ray.bench.serve import serve_markdown
+    from s2d_ray.bench.server_clocks import timing_delta
 
     clocks = lambda rounds, spent: {"round": {"rounds": rounds, "mean_round_ms": 10.0},  # noqa: E731
                                     "speculation": {"spent": spent}}

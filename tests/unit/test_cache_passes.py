@@ -13,6 +13,7 @@ from s2d_ray.core.attention import grouped_attention
 from s2d_ray.core.cache import MAX_RUNS, SlotKVCache
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import ScoreRequest
+from s2d_ray.kernels import CpuKernels
 
 
 def last_logits(verifier: TargetVerifier, tokens: list[int]) -> torch.Tensor:
@@ -21,7 +22,7 @@ def last_logits(verifier: TargetVerifier, tokens: list[int]) -> torch.Tensor:
 
 
 def test_rows_apart_attend_run_by_run_and_too_many_runs_are_gathered():
-    verifier = TargetVerifier(tiny_target(seed=1))
+    verifier = TargetVerifier(tiny_target(seed=1), kernels=CpuKernels())  # grouped attention reads runs in place
     prompts = random_prompts(2 * MAX_RUNS + 2, seed=2)
     verifier.score([ScoreRequest(f"s{i}", p, 1) for i, p in enumerate(prompts[:3])])  # rows 0, 1, 2: one range
     assert (verifier.cache.num_passes, verifier.cache.num_gathered) == (1, 0)
@@ -51,7 +52,7 @@ def test_runs_with_length_groups_stay_exact(monkeypatch):
     """Rows apart AND attending in length groups (forced by a zero group overhead): the groups map their query rows
     to the covering range's rows; every logit equals the model's own."""
     monkeypatch.setattr(attention, "GROUP_OVERHEAD_SLOTS", 0)
-    verifier = TargetVerifier(tiny_target(seed=3))
+    verifier = TargetVerifier(tiny_target(seed=3), kernels=CpuKernels())
     prompts = [p * (1 + 3 * (i % 2)) for i, p in enumerate(random_prompts(5, seed=4))]  # long and short rows
     verifier.score([ScoreRequest(f"s{i}", p, 1) for i, p in enumerate(prompts)])
     verifier.release("s1")

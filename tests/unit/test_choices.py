@@ -98,7 +98,7 @@ def test_gather_all_raises_the_first_error_itself_and_cancels_the_rest():
 
 
 def test_a_huge_n_is_refused_before_any_choice_is_built():
-    """Fuzzing sent n = 2.6e27: the count is checked before fan-out builds a request per choice."""
+    """n is a client's number and may be huge: the count is checked before fan-out builds a request per choice."""
     import pytest
 
     from s2d_ray.errors import RequestError

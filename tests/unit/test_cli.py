@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,9 @@ import pytest
 from s2d_ray.cli import main
 
 
-def run_cli(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "s2d_ray.cli", *args], capture_output=True, text=True, timeout=300)
+def run_cli(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "s2d_ray.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def test_generate_json_same_tokens_in_every_mode(tiny_llama_dir, tmp_path, capsys):
@@ -51,3 +53,25 @@ def test_bad_arguments_print_one_line_and_exit_2(args, needle):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("s2d: error:") and needle in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["bench", "spec"], "--questions"),
+    (["train-draft", "--out", "{tmp}/run"], "--data"),
+    (["self-distill", "--out", "{tmp}/sd.jsonl"], "--data"),
+    (["eval-gsm8k"], "--test"),
+])
+def test_commands_that_need_data_name_s2d_data_dir_when_it_is_unset(args, flag, tmp_path):
+    """No machine's path is a default: without S2D_DATA_DIR a command that needs data says what to set or pass, in
+    one line, before it loads anything."""
+    env = {k: v for k, v in os.environ.items() if k != "S2D_DATA_DIR"}
+    proc = run_cli([a.format(tmp=tmp_path) for a in args], env)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "S2D_DATA_DIR" in lines[0] and flag in lines[0], lines[0]
+
+
+def test_default_data_paths_lie_under_s2d_data_dir(tmp_path):
+    env = {**os.environ, "S2D_DATA_DIR": str(tmp_path)}
+    proc = run_cli(["bench", "spec"], env)
+    assert proc.returncode == 2 and str(tmp_path / "spec_bench" / "question.jsonl") in proc.stderr, proc.stderr

@@ -9,25 +9,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+import s2d_ray.core.attention as attention_mod
 from core_fixtures import noisy_draft, random_prompts, tiny_target
 from s2d_ray.core.budget import SpeculationBudget, TreeShape
 from s2d_ray.core.cache import head_mask, slot_mask
 from s2d_ray.core.draft import SortedDraft, SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
+from s2d_ray.core.kernels import STOCK
 from s2d_ray.core.lookup import PromptLookup, TreeDrafter
 from s2d_ray.core.policy import FixedK, HeuristicK
-import s2d_ray.core.attention as attention_mod
-import s2d_ray.core.stack as stack_mod
 from s2d_ray.core.stack import decoder_parts
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import SamplingParams
+from s2d_ray.kernels import CpuKernels
 
 NO_CUDA = "no CUDA device visible to torch: CUDA exactness runs on a GPU machine (scripts/gpu_check.sh)"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
 
 
-# "cpu-sdpa": the CPU running the CUDA code path (SDPA with per-head mask views instead of grouped matmuls), so CPU
-# CI covers it: that path once passed the KV cache under a name transformers 5.17 ignores, and only a GPU showed it.
+# "cpu": the CPU backend the engine is built with (grouped attention, packed projections where measured faster).
+# "cpu-sdpa": the stock kernels on the CPU, i.e. the CUDA code path (the model's SDPA with per-head mask views), so
+# CPU CI covers it: a KV cache passed under a keyword the layers ignore would otherwise show only on a GPU.
 # "cpu-groups": grouped attention with every row length its own attention group (plan_kv_groups at zero overhead) and
 # prompt passes in blocks of 4 queries, where the real settings never split these short contexts.
 ENGINE_DEVICES = ["cpu", "cpu-sdpa", "cpu-groups", *DEVICES[1:]]
@@ -35,18 +37,19 @@ ENGINE_DEVICES = ["cpu", "cpu-sdpa", "cpu-groups", *DEVICES[1:]]
 
 @pytest.fixture(scope="module", params=ENGINE_DEVICES)
 def pair(request):
-    """A tiny float64 target and a noisy sorted draft of it, both on the device (built on CPU, then moved)."""
+    """A tiny float64 target and a noisy sorted draft of it, both on the device (built on CPU, then moved); the
+    draft carries the kernels its engine runs with (`draft.kernels`, given to every verifier of the test too)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stack_mod, "SDPA_ON_CPU", request.param == "cpu-sdpa")
         if request.param == "cpu-groups":  # and prompt passes in blocks of 4 queries
             mp.setattr(attention_mod, "GROUP_OVERHEAD_SLOTS", 0)
             mp.setattr(attention_mod, "QUERY_BLOCK", 4)
+        kernels = STOCK if request.param == "cpu-sdpa" else CpuKernels()
         target = tiny_target(seed=0)
         cpu_draft = noisy_draft(target)
         device = torch.device(request.param.split("-")[0])
         target.to(device)
         layers = cpu_draft.layers.to(device)
-        yield target, SortedDraft(decoder_parts(target), cpu_draft.spec, layers), device
+        yield target, SortedDraft(decoder_parts(target), cpu_draft.spec, layers, kernels=kernels), device
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -62,11 +65,11 @@ def generate(engine: SpecEngine, prompts: list[list[int]], n: int) -> list[list[
 
 
 def test_ar_equals_no_cache_reference(pair):
-    target, _, device = pair
+    target, draft, device = pair
     prompts = random_prompts(3, seed=1)
-    verifier = TargetVerifier(target)
+    verifier = TargetVerifier(target, kernels=draft.kernels)
     assert verifier.stack.device.type == device.type and verifier.cache.keys[0].device.type == device.type
-    assert verifier.stack.grouped == (device.type == "cpu" and not stack_mod.SDPA_ON_CPU)
+    assert verifier.stack.grouped == (device.type == "cpu" and draft.kernels is not STOCK)
     assert generate(SpecEngine(verifier), prompts, 20) == [reference_greedy(target, p, 20) for p in prompts]
 
 
@@ -74,11 +77,12 @@ def test_ar_equals_no_cache_reference(pair):
 def test_batched_s2d_equals_target_greedy(pair, policy):
     target, draft, _ = pair
     prompts = random_prompts(5, seed=3, lo=2, hi=30)  # mixed lengths: rows of different widths in one forward
-    ar = generate(SpecEngine(TargetVerifier(target)), prompts, 32)
-    spec = SpecEngine(TargetVerifier(target), SortedDrafter(draft), policy=policy)
+    ar = generate(SpecEngine(TargetVerifier(target, kernels=draft.kernels)), prompts, 32)
+    spec = SpecEngine(TargetVerifier(target, kernels=draft.kernels), SortedDrafter(draft), policy=policy)
     assert generate(spec, prompts, 32) == ar
     vocab = draft.with_vocab(torch.arange(3, 60))  # a reduced-vocabulary head built from the moved weights
-    assert generate(SpecEngine(TargetVerifier(target), SortedDrafter(vocab), policy=policy), prompts, 32) == ar
+    spec = SpecEngine(TargetVerifier(target, kernels=draft.kernels), SortedDrafter(vocab), policy=policy)
+    assert generate(spec, prompts, 32) == ar
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -95,7 +99,7 @@ def tree_engine(target, draft: SortedDraft, width: int, frontier: int = 0, prefi
     drafter = TreeDrafter(SortedDrafter(draft, prefill_chunk=prefill_chunk), PromptLookup(max_ngram=3, num_tokens=6),
                           alone_ngram=3)
     shape = TreeShape(width=width, lookup=True, max_nodes=16, frontier=frontier)
-    return SpecEngine(TargetVerifier(target, prefill_chunk=prefill_chunk), drafter, FixedK(4),
+    return SpecEngine(TargetVerifier(target, prefill_chunk=prefill_chunk, kernels=draft.kernels), drafter, FixedK(4),
                       budget=SpeculationBudget(shape, None, max_depth=6))
 
 
@@ -108,7 +112,7 @@ def test_trees_with_lookup_equal_target_greedy(pair, width, frontier):
     """Tree attention masks, accepted-path KV compaction and lookup nodes on the device: output == target greedy."""
     target, draft, _ = pair
     prompts = random_prompts(3, seed=5) + repetitive(random_prompts(2, seed=6, lo=4, hi=9))
-    ar = generate(SpecEngine(TargetVerifier(target)), prompts, 40)
+    ar = generate(SpecEngine(TargetVerifier(target, kernels=draft.kernels)), prompts, 40)
     engine = tree_engine(target, draft, width, frontier)
     out = engine.generate([GenerationRequest(f"s{i}", p, 40) for i, p in enumerate(prompts)])
     assert [o.token_ids for o in out] == ar
@@ -119,7 +123,7 @@ def test_chunked_prefill_trees_equal_target_greedy(pair):
     """Prompts longer than the prefill chunk run in passes on the device (draft and target) and stay exact."""
     target, draft, _ = pair
     prompts = [p * 6 for p in random_prompts(3, seed=8, lo=8, hi=14)]  # 48-84 tokens, chunks of 16
-    ar = generate(SpecEngine(TargetVerifier(target, prefill_chunk=0)), prompts, 24)
+    ar = generate(SpecEngine(TargetVerifier(target, prefill_chunk=0, kernels=draft.kernels)), prompts, 24)
     assert generate(tree_engine(target, draft, 2, prefill_chunk=16), prompts, 24) == ar
 
 
@@ -137,6 +141,6 @@ def test_tree_sampling_follows_target_distribution(pair):
     prompt, params = [3, 5, 3, 5, 3], SamplingParams(temperature=1.0)  # lookup proposes [5, 3, ...]
     exact = exact_second_and_third(target, prompt, params)  # on the CPU, before the move
     target.to(device)
-    draft = SortedDraft(decoder_parts(target), cpu_draft.spec, cpu_draft.layers.to(device))
+    draft = SortedDraft(decoder_parts(target), cpu_draft.spec, cpu_draft.layers.to(device), kernels=CpuKernels())
     err = tv(pair_histogram(tree_engine(target, draft, 3), 8, prompt, params, 6000)[0], exact)
     assert err < 0.06, err

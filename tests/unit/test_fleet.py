@@ -120,9 +120,12 @@ def test_plan_check_prediction_with_a_measured_mat():
 def test_plan_check_runs_end_to_end_on_a_tiny_model(tiny_llama_dir, tmp_path, capsys):
     """The bench command's plumbing (timings are not asserted): every (mode, batch) row, errors = predicted / measured
     - 1, and the draft's measured MAT reaches the second S2D prediction."""
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": task, "turns": [f"Tell me about {task}."]})
+                                 + "\n" for i, task in enumerate(("writing", "qa", "translation"))))
     rc = main(["bench", "plan-check", "--target", str(tiny_llama_dir), "--draft", f"cut:{tiny_llama_dir}:1",
                "--dtype", "float32", "--tokens", "6", "--batches", "1,2", "--repeats", "1", "--quick",
-               "--prompts", "specbench", "--out", str(tmp_path)])
+               "--prompts", "specbench", "--data", str(questions), "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "plan_check.json").read_text())
     assert [(row["mode"], row["batch"]) for row in r["rows"]] == [("ar", 1), ("s2d", 1), ("ar", 2), ("s2d", 2)]
@@ -144,12 +147,12 @@ def test_gpu_check_runs_are_priced_by_their_own_device_row():
     from s2d_ray.bench.plan_check import gpu_errors, gpu_markdown
 
     root = Path(__file__).resolve().parents[2] / "bench_results"
-    graphed = json.loads((root / "gpu-check-row-in-graph" / "gpu_check.json").read_text())
+    graphed = json.loads((root / "gpu-rounds" / "gpu_check.json").read_text())
     rows = gpu_errors(graphed)
     assert {(r["mode"], r["batch"]) for r in rows} == {(m, b) for m in ("ar+graphs", "s2d+graphs") for b in (1, 8)}
     for r in rows:
         assert r["error"] == pytest.approx(r["predicted_tps"] / r["measured_tps"] - 1)
         assert r["measured_tps"] == graphed["engine"][str(r["batch"])][r["mode"]]["tokens_per_s"]
-    eager = gpu_errors(json.loads((root / "gpu-check" / "gpu_check.json").read_text()))
+    eager = gpu_errors(json.loads((root / "plan-check" / "gpu_check_eager_row.json").read_text()))
     assert {r["mode"] for r in eager} == {"ar", "s2d"}
     assert "| ar+graphs | 1 |" in gpu_markdown(graphed, rows)

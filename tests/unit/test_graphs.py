@@ -35,9 +35,16 @@ def replays(engine: SpecEngine) -> int:
     return engine.verifier.stack.graphs.replays
 
 
+def verifiers(target, kernels, **kwargs) -> tuple[TargetVerifier, TargetVerifier]:
+    """An eager verifier and one whose forwards are padded to buckets (captured on CUDA), on the same kernels."""
+    eager, padded = (TargetVerifier(target, cuda_graphs=False, kernels=kernels, **kwargs) for _ in range(2))
+    padded.stack.use_graphs()
+    return eager, padded
+
+
 def test_graphed_verifier_logits_equal_eager_round_by_round(pair):
-    target, _, device = pair
-    eager, padded = TargetVerifier(target, cuda_graphs=False), TargetVerifier(target, cuda_graphs=False)
+    target, draft, device = pair
+    eager, padded = verifiers(target, draft.kernels)
     padded.stack.use_graphs()
     prompts = random_prompts(3, seed=2)  # 3 rows pad to 4: one pad row shares the last real row
     seqs = [list(p) for p in prompts]
@@ -56,8 +63,9 @@ def test_graphed_verifier_logits_equal_eager_round_by_round(pair):
 def test_graphed_engine_equals_target_greedy(pair, mode):
     target, draft, device = pair
     prompts = random_prompts(5, seed=11, lo=2, hi=30)  # mixed lengths: 5 rows pad to 8
-    ar = generate(SpecEngine(TargetVerifier(target, cuda_graphs=False)), prompts, 32)
-    engine = SpecEngine(TargetVerifier(target), SortedDrafter(draft) if mode == "s2d" else None, policy=FixedK(4))
+    ar = generate(SpecEngine(TargetVerifier(target, cuda_graphs=False, kernels=draft.kernels)), prompts, 32)
+    engine = SpecEngine(TargetVerifier(target, kernels=draft.kernels), SortedDrafter(draft) if mode == "s2d" else None,
+                        policy=FixedK(4))
     assert generate(graphed(engine), prompts, 32) == ar
     if device.type == "cuda":
         assert replays(engine) > 0
@@ -68,7 +76,7 @@ def test_graphed_trees_equal_target_greedy(pair, width, frontier):
     """Tree masks and RoPE positions go through the static buffers too (target and draft)."""
     target, draft, device = pair
     prompts = random_prompts(3, seed=5) + repetitive(random_prompts(2, seed=6, lo=4, hi=9))
-    ar = generate(SpecEngine(TargetVerifier(target, cuda_graphs=False)), prompts, 40)
+    ar = generate(SpecEngine(TargetVerifier(target, cuda_graphs=False, kernels=draft.kernels)), prompts, 40)
     engine = graphed(tree_engine(target, draft, width, frontier))
     out = engine.generate([GenerationRequest(f"s{i}", p, 40) for i, p in enumerate(prompts)])
     assert [o.token_ids for o in out] == ar
@@ -76,10 +84,9 @@ def test_graphed_trees_equal_target_greedy(pair, width, frontier):
         assert replays(engine) > 0
 
 
-def score_gaps(target, steps: int = 4) -> float:
+def score_gaps(target, kernels, steps: int = 4) -> float:
     """Largest |logit difference| of a padded verifier against an eager one over a few rounds of 3 rows."""
-    eager, padded = TargetVerifier(target, cuda_graphs=False), TargetVerifier(target, cuda_graphs=False)
-    padded.stack.use_graphs()
+    eager, padded = verifiers(target, kernels)
     seqs = [list(p) for p in random_prompts(3, seed=2)]
     gap = 0.0
     for step in range(steps):
@@ -92,8 +99,8 @@ def score_gaps(target, steps: int = 4) -> float:
 
 def test_pad_rows_on_live_slots_would_fail(pair, monkeypatch):
     """Negative control: pad rows that write at the last real row's first slots (live KV) change its logits."""
-    target = pair[0]
-    assert score_gaps(target) < 1e-9
+    target, draft, _ = pair
+    assert score_gaps(target, draft.kernels) < 1e-9
     fill = graphs_mod.SegmentGraphs._fill
 
     def bad_fill(self, slot, x, rows, positions, rope, allowed, n, w, s):
@@ -102,14 +109,13 @@ def test_pad_rows_on_live_slots_would_fail(pair, monkeypatch):
         slot.rope[n:] = slot.positions[n:]
 
     monkeypatch.setattr(graphs_mod.SegmentGraphs, "_fill", bad_fill)
-    assert score_gaps(target) > 1e-3
+    assert score_gaps(target, draft.kernels) > 1e-3
 
 
 def test_calls_beyond_the_largest_bucket_run_eagerly(pair):
-    target, _, _ = pair
-    verifier = TargetVerifier(target, prefill_chunk=0, cuda_graphs=False)
-    verifier.stack.use_graphs()
+    target, draft, _ = pair
+    eager_verifier, verifier = verifiers(target, draft.kernels, prefill_chunk=0)
     long_prompt = [(5 * i) % 90 + 3 for i in range(graphs_mod.WIDTH_BUCKETS[-1] + 8)]
-    eager = TargetVerifier(target, prefill_chunk=0, cuda_graphs=False).score([ScoreRequest("a", long_prompt, 1)])[0]
+    eager = eager_verifier.score([ScoreRequest("a", long_prompt, 1)])[0]
     assert torch.allclose(verifier.score([ScoreRequest("a", long_prompt, 1)])[0], eager, atol=1e-9, rtol=0)
     assert not verifier.stack.graphs.buckets  # no bucket was built for a 40-position call

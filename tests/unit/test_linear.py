@@ -1,5 +1,6 @@
-"""Projections on packed weights (core/linear.py): the same numbers as the stock kernel (one row without its MKL copy:
-the very same), the model's own modules untouched, each choice measured per shape, and speculation still lossless."""
+"""Projections on packed weights (kernels/linear.py): the same numbers as the stock kernel (one row without its MKL
+copy: the very same), the model's own modules untouched, each choice measured per shape, and speculation still
+lossless."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-import s2d_ray.core.linear as linear
-import s2d_ray.core.stack as stack
+import s2d_ray.kernels.cpu as cpu
+import s2d_ray.kernels.linear as linear
 from core_fixtures import noisy_draft, random_prompts, tiny_target
-from s2d_ray.core.draft import SortedDrafter
+from s2d_ray.core.draft import SortedDraft, SortedDrafter
 from s2d_ray.core.engine import SpecEngine
-from s2d_ray.core.linear import PackedLinear, with_packed_linears
 from s2d_ray.core.policy import FixedK
 from s2d_ray.core.target import TargetVerifier
+from s2d_ray.kernels import CpuKernels
+from s2d_ray.kernels.linear import PackedLinear, with_packed_linears
 from test_engine_exact import reference_greedy, run
 
 pytestmark = pytest.mark.skipif(not linear.supported(torch.float32), reason="no oneDNN packed fp32 linear here")
@@ -69,33 +71,48 @@ def test_the_model_keeps_its_modules_and_the_copy_shares_every_parameter():
     assert all(a is b for a, b in zip(copy.parameters(), layer.parameters()))
 
 
+def packed_counts(holder) -> tuple[int, int]:
+    """(projections packed for several rows, for one row) of a verifier's or drafter's stack, as stats report them."""
+    kernels = holder.stack.kernels()
+    return kernels.get("packed_several", 0), kernels.get("packed_one_row", 0)
+
+
 def test_the_choice_is_measured_per_shape(monkeypatch):
     model = tiny_target(seed=2).to(torch.float32)
-    monkeypatch.setattr(stack, "LINEAR_KERNEL", "auto")
-    monkeypatch.setattr(stack, "packed_is_faster", lambda out_f, in_f, dtype, threads: out_f == 96)  # the LM head only
-    monkeypatch.setattr(stack, "one_row_is_faster", lambda out_f, in_f, dtype, threads: out_f == 64)  # the MLP's up
-    verifier = TargetVerifier(model)
+    monkeypatch.setattr(cpu, "packed_is_faster", lambda out_f, in_f, dtype, threads, store: out_f == 96)  # LM head
+    monkeypatch.setattr(cpu, "one_row_is_faster", lambda out_f, in_f, dtype, threads, store: out_f == 64)  # MLP up
+    verifier = TargetVerifier(model, kernels=CpuKernels("auto"))
     head, up = verifier.stack.parts.head, verifier.stack.layers[0].mlp.up_proj
     assert isinstance(head, PackedLinear) and head.several and not head.one_row
     assert isinstance(up, PackedLinear) and up.one_row and not up.several
     n_layers = len(verifier.stack.layers)
-    assert verifier.stack.packed_linears == 1 + 2 * n_layers and verifier.stack.one_row_linears == 2 * n_layers
-    monkeypatch.setattr(stack, "LINEAR_KERNEL", "several")  # one row stays stock
-    assert TargetVerifier(model).stack.one_row_linears == 0
-    monkeypatch.setattr(stack, "LINEAR_KERNEL", "auto")
-    monkeypatch.setattr(stack, "packed_is_faster", lambda *a: False)
-    monkeypatch.setattr(stack, "one_row_is_faster", lambda *a: False)
-    assert TargetVerifier(model).stack.packed_linears == 0
-    monkeypatch.setattr(stack, "LINEAR_KERNEL", "packed")
-    assert TargetVerifier(tiny_target(seed=2)).stack.packed_linears == 0  # float64: oneDNN has no kernel, never packed
+    assert packed_counts(verifier) == (1, 2 * n_layers)
+    assert packed_counts(TargetVerifier(model, kernels=CpuKernels("several"))) == (1, 0)  # one row stays stock
+    monkeypatch.setattr(cpu, "packed_is_faster", lambda *a: False)
+    monkeypatch.setattr(cpu, "one_row_is_faster", lambda *a: False)
+    assert packed_counts(TargetVerifier(model, kernels=CpuKernels("auto"))) == (0, 0)
+    float64 = TargetVerifier(tiny_target(seed=2), kernels=CpuKernels("packed"))
+    assert packed_counts(float64) == (0, 0)  # float64: oneDNN has no kernel, never packed
+    assert TargetVerifier(model).stack.kernels() == {"attention": "sdpa-masked"}  # the stock default: the model's own
+
+
+def test_the_setting_is_checked_and_the_environment_overrides_it(tmp_path, monkeypatch):
+    from s2d_ray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="expected one of auto, several, stock, packed"):
+        CpuKernels("fast")
+    monkeypatch.delenv(cpu.ENV_LINEAR_KERNEL, raising=False)
+    monkeypatch.delenv("S2D_KERNEL_TIMES", raising=False)  # the suite's own file would override `off`
+    assert CpuKernels.from_settings("several", "off", tmp_path / "t.json") == CpuKernels("several")
+    monkeypatch.setenv(cpu.ENV_LINEAR_KERNEL, "stock")
+    assert CpuKernels.from_settings("several", "off", tmp_path / "t.json").linear == "stock"
 
 
 def test_the_measurement_follows_the_faster_kernel(monkeypatch):
     import time
     from types import SimpleNamespace
 
-    monkeypatch.setenv("S2D_KERNEL_TIMES", "off")  # this process's measurement alone (not the least times kept)
-    measure = linear.packed_is_faster.__wrapped__  # not the per-process cache
+    measure = linear.packed_is_faster.__wrapped__  # not the per-process cache; no store: this measurement alone
     real_packed, real_stock = linear._packed_linear, linear.F.linear
 
     def slow_packed(x, p, b):
@@ -107,10 +124,10 @@ def test_the_measurement_follows_the_faster_kernel(monkeypatch):
         return real_stock(x, w, b)
 
     monkeypatch.setattr(linear, "_packed_linear", slow_packed)
-    assert measure(64, 32, torch.float32, 1, 2) is False
+    assert measure(64, 32, torch.float32, 1, repeats=2) is False
     monkeypatch.setattr(linear, "_packed_linear", real_packed)
     monkeypatch.setattr(linear, "F", SimpleNamespace(linear=slow_stock))
-    assert measure(64, 32, torch.float32, 1, 2) is True
+    assert measure(64, 32, torch.float32, 1, repeats=2) is True
 
 
 @pytest.mark.skipif(not linear.one_row_supported(torch.float32), reason="no MKL one-row packed GEMM here")
@@ -118,8 +135,7 @@ def test_the_one_row_measurement_follows_the_faster_kernel_and_the_memory_cap(mo
     import time
     from types import SimpleNamespace
 
-    monkeypatch.setenv("S2D_KERNEL_TIMES", "off")  # this process's measurement alone (not the least times kept)
-    measure = linear.one_row_is_faster.__wrapped__
+    measure = linear.one_row_is_faster.__wrapped__  # no store: this process's measurement alone
     real_one, real_stock = linear._one_row_linear, linear.F.linear
 
     def slow_one(*args):
@@ -130,36 +146,35 @@ def test_the_one_row_measurement_follows_the_faster_kernel_and_the_memory_cap(mo
         time.sleep(0.001)
         return real_stock(x, w, b)
 
-    monkeypatch.setattr(linear, "ONE_ROW_MAX_COPY", float("inf"))  # MKL's copy of a small weight is ~5 MB
+    monkeypatch.setattr(linear, "ONE_ROW_MAX_COPY", float("inf"))  # MKL's copy of a small weight is far larger
     monkeypatch.setattr(linear, "_one_row_linear", slow_one)
-    assert measure(64, 32, torch.float32, 1, 2) is False
+    assert measure(64, 32, torch.float32, 1, repeats=2) is False
     monkeypatch.setattr(linear, "_one_row_linear", real_one)
     monkeypatch.setattr(linear, "F", SimpleNamespace(linear=slow_stock))
-    assert measure(64, 32, torch.float32, 1, 2) is True
+    assert measure(64, 32, torch.float32, 1, repeats=2) is True
     monkeypatch.setattr(linear, "ONE_ROW_MAX_COPY", 2.5)  # the cap as shipped: a small weight's copy is far over it
-    assert measure(64, 32, torch.float32, 1, 2) is False
-    assert measure(64, 32, torch.float64, 1, 2) is False  # fp32 only
+    assert measure(64, 32, torch.float32, 1, repeats=2) is False
+    assert measure(64, 32, torch.float64, 1, repeats=2) is False  # fp32 only
 
 
-def test_greedy_speculation_with_packed_projections_equals_target_greedy(monkeypatch):
+def test_greedy_speculation_with_packed_projections_equals_target_greedy():
     """fp32 target and draft with every projection packed (trees and chains verify several rows; drafting batches
     rows): output equals the slow reference and the stock-kernel engine token for token."""
     model = tiny_target(seed=0).to(torch.float32)
     prompts = random_prompts(4, seed=5)
     outs = {}
     for kernel in ("stock", "packed"):
-        monkeypatch.setattr(stack, "LINEAR_KERNEL", kernel)
-        verifier, drafter = TargetVerifier(model), SortedDrafter(noisy_draft(model))
-        assert (verifier.stack.packed_linears > 0) is (kernel == "packed")
-        assert (drafter.stack.packed_linears > 0) is (kernel == "packed")
-        assert (verifier.stack.one_row_linears > 0) is (kernel == "packed" and linear.one_row_supported(torch.float32))
+        kernels = CpuKernels(kernel)
+        verifier = TargetVerifier(model, kernels=kernels)
+        draft = noisy_draft(model)
+        drafter = SortedDrafter(SortedDraft(draft.parts, draft.spec, draft.layers, kernels=kernels))
+        several, one_row = packed_counts(verifier)
+        assert (several > 0) is (kernel == "packed") and (sum(packed_counts(drafter)) > 0) is (kernel == "packed")
+        assert (one_row > 0) is (kernel == "packed" and linear.one_row_supported(torch.float32))
         # What the served stats report: every projection of the target (7 a layer) and its head, or none.
-        kernels = verifier.stack.kernels()
-        layers = len(verifier.stack.layers)
-        assert kernels["packed_several"] == (7 * layers + 1 if kernel == "packed" and linear.supported(torch.float32)
-                                             else 0)
-        assert kernels["packed_one_row"] == verifier.stack.one_row_linears
-        assert kernels["attention"] in ("sdpa", "grouped")
+        stats = verifier.stack.kernels()
+        assert stats["packed_several"] == (7 * len(verifier.stack.layers) + 1 if kernel == "packed" else 0)
+        assert stats["attention"] in ("sdpa", "grouped")
         outs[kernel] = [r.token_ids for r in run(SpecEngine(verifier, drafter, FixedK(4)), prompts, 24, batch=True)]
     assert outs["packed"] == outs["stock"]
     assert outs["packed"] == [reference_greedy(model, p, 24) for p in prompts]

@@ -7,7 +7,7 @@ import pytest
 
 from core_fixtures import random_prompts, tiny_target
 from s2d_ray.bench.methods import parse_shape
-from s2d_ray.core.budget import AcceptanceModel
+from s2d_ray.core.acceptance import AcceptanceModel
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.lookup import PromptLookup, add_lookup, find_continuation, find_continuations
 from s2d_ray.core.target import TargetVerifier

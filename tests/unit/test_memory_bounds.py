@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from core_fixtures import noisy_draft, random_prompts, tiny_target
-from s2d_ray.core.cache import SlotKVCache
-from s2d_ray.core.draft import HiddenStore, SortedDrafter
+from s2d_ray.core.cache import HiddenStore, SlotKVCache
+from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.stack import limit_rows
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import DraftRequest, SamplingParams, ScoreRequest
@@ -113,20 +113,22 @@ def test_a_draft_on_a_base_of_its_own_keeps_only_its_layers(tiny_llama_dir, tmp_
     import weakref
 
     from s2d_ray.core.draft import SortedDraft
+    from s2d_ray.kernels import CpuKernels
     from s2d_ray.models import load_model
+    from s2d_ray.models.drafts import load_draft, save_draft
 
     base = load_model(str(tiny_llama_dir))
     assert len(base.model.model.layers) == 2
-    SortedDraft.cut(base.model, str(tiny_llama_dir), 1, [1], [0.0], copy_layers=True).save(tmp_path / "d")
+    save_draft(SortedDraft.cut(base.model, str(tiny_llama_dir), 1, [1], [0.0], copy_layers=True), tmp_path / "d")
     fresh = load_model(str(tiny_llama_dir))
     unused, whole = weakref.ref(fresh.model.model.layers[1]), weakref.ref(fresh.model)
-    draft = SortedDraft.load(tmp_path / "d", fresh.model)
+    draft = load_draft(tmp_path / "d", fresh.model, CpuKernels())  # as the draft replica builds it
     del fresh
     gc.collect()
     assert unused() is None and whole() is None
     assert len(draft.parts.layers) == len(draft.layers) == 1
 
-    beside = SortedDraft.load(tmp_path / "d", base.model)  # the base still alive (it is the engine's target)
+    beside = load_draft(tmp_path / "d", base.model, CpuKernels())  # the base still alive (it is the engine's target)
     assert len(base.model.model.layers) == 2  # the target keeps its own layers
     prompt = list(range(3, 20))
     got = [SortedDrafter(d).propose([DraftRequest("s", prompt, 4, SamplingParams())])[0].tokens
@@ -137,7 +139,7 @@ def test_a_draft_on_a_base_of_its_own_keeps_only_its_layers(tiny_llama_dir, tmp_
 def test_memory_freed_among_live_tensors_goes_back_to_the_os():
     """What a replica does once loaded (replica.return_freed_memory): pages freed between tensors still alive (a
     dropped base model's layers, dtype copies) leave the process's RSS. Without it glibc keeps them (the RSS a memory
-    limit sees); the served app's router, gsm8k target and TP ranks measured 196, 115 and 3 x 202 MiB smaller."""
+    limit sees)."""
     from s2d_ray.serve.replica import return_freed_memory
 
     return_freed_memory()

@@ -54,10 +54,11 @@ def _draft_with_profile(tiny_llama_dir, tmp_path, profile: dict | None):
 
     from s2d_ray.core.draft import SortedDraft
     from s2d_ray.models import load_model
+    from s2d_ray.models.drafts import save_draft
 
     base = load_model(str(tiny_llama_dir))
     directory = tmp_path / "draft"
-    SortedDraft.cut(base.model, str(tiny_llama_dir), 2, [1, 2], [0.5, 0.0]).save(directory)
+    save_draft(SortedDraft.cut(base.model, str(tiny_llama_dir), 2, [1, 2], [0.5, 0.0]), directory)
     if profile is not None:
         (directory / "calibration").mkdir()
         (directory / "calibration" / f"{tiny_llama_dir.name}.json").write_text(json.dumps(profile))
@@ -89,7 +90,7 @@ def test_committed_profile_sets_thresholds_and_draft_length_unless_the_user_did(
     assert _built(tiny_llama_dir, directory, policy="heuristic")[1] == HeuristicK(start=3, max_k=16)
     assert _built(tiny_llama_dir, directory, calibration="off") == ([0.5, 0.0], HeuristicK(start=5, max_k=16))
     # A profile measured in this dtype is preferred over the generic one.
-    from s2d_ray.dtypes import resolve_dtype
+    from s2d_ray.hardware import resolve_dtype
 
     dtype = resolve_dtype("auto")  # what the default dtype means on this machine
     (directory / "calibration" / f"{tiny_llama_dir.name}.{dtype}.json").write_text(json.dumps({**profile, "k": 2}))

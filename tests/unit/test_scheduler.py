@@ -22,7 +22,8 @@ from s2d_ray.core.target import TargetVerifier
 from s2d_ray.errors import CapacityError, RequestError, ServiceUnavailableError
 from s2d_ray.serve.metrics import ServeMetrics
 from s2d_ray.serve.replica import Counted, InProcessHandle, ModelThread, recomputed_tokens, score_counted
-from s2d_ray.serve.scheduler import DraftClient, TargetClient, TargetScheduler
+from s2d_ray.serve.clients import DraftClient, TargetClient
+from s2d_ray.serve.scheduler import TargetScheduler
 
 NEW_TOKENS = 12
 
@@ -177,7 +178,8 @@ async def collect(queue: asyncio.Queue) -> tuple[list[int], object]:
 def test_the_scheduler_runs_without_ray():
     import subprocess
 
-    code = "import sys, s2d_ray.serve.scheduler, s2d_ray.serve.metrics; sys.exit('ray' in sys.modules)"
+    modules = ["scheduler", "clients", "affinity", "events", "round_timing", "metrics"]
+    code = f"import sys, {', '.join(f's2d_ray.serve.{m}' for m in modules)}; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -371,7 +373,7 @@ def test_the_model_thread_counts_its_cpu_time_apart_from_waiting():
     import time
 
     from s2d_ray.serve.replica import ModelThread
-    from s2d_ray.serve.scheduler import CallTimes
+    from s2d_ray.serve.round_timing import CallTimes
 
     def spin(seconds: float) -> None:
         end = time.thread_time() + seconds
@@ -416,7 +418,7 @@ def test_timing_reports_the_budgets_measured_rounds(target):
 
 def test_models_of_one_process_share_its_model_thread_and_count_their_own_cpu():
     """A draft and a target placed in one (router) process run their forwards on ONE OS thread (two threads would
-    each start a libgomp worker pool, which throttles the workers' spin and made a prefill 1.8x slower); each still
+    each start a libgomp worker pool, which throttles the workers' spin and slows every prefill); each still
     reports only its own forwards' CPU time."""
     import threading
     import time
@@ -453,7 +455,7 @@ def test_a_stream_interval_merges_events_but_never_holds_the_first_tokens_or_the
     """`router.stream_interval`: events are merged until they hold that many tokens; the first tokens go at once
     (TTFT), the last event flushes whatever was held; tokens, logprobs and the end survive merging in order, and
     closing the merged stream closes the request's own (which is what aborts its sequence)."""
-    from s2d_ray.serve.scheduler import Event, coalesced
+    from s2d_ray.serve.events import Event, coalesced
 
     closed = []
 

@@ -135,14 +135,14 @@ def test_kd_loss_is_zero_when_draft_equals_target():
 def test_saved_draft_loads_with_reduced_vocab(tmp_path, tiny_llama_dir, train_norm_head):
     from safetensors import safe_open
 
-    from s2d_ray.core.draft import SortedDraft
     from s2d_ray.models import load_model
+    from s2d_ray.models.drafts import load_draft
 
     run = Run(tiny_cfg(tmp_path, tiny_llama_dir, steps=2, vocab_size=40, train_norm_head=train_norm_head))
     run.train(progress=False)
     manifest = run.save_draft(tmp_path / "draft", "s2d train-draft ...", dtype=torch.float32)
     base = load_model(str(tiny_llama_dir))
-    loaded = SortedDraft.load(tmp_path / "draft", base.model)
+    loaded = load_draft(tmp_path / "draft", base.model)
     assert loaded.spec.reduced_vocab == len(run.vocab.ids) and manifest["steps"] == 2
     batch = run.batch_at(0)
     ref = exit_logits(run.draft.parts, run.draft.layers, batch, [1, 2], run.vocab)
@@ -273,17 +273,18 @@ def test_calibrate_cli_writes_a_profile_the_engine_reads(tmp_path, tiny_llama_di
 def test_train_draft_cli_rejects_kd_without_targets(tmp_path, capsys):
     from s2d_ray.cli import main
 
-    rc = main(["train-draft", "--out", str(tmp_path / "r"), "--kd-weight", "0.5"])
+    rc = main(["train-draft", "--out", str(tmp_path / "r"), "--data", str(tmp_path / "rows.jsonl"),
+               "--kd-weight", "0.5"])
     assert rc == 2 and "--kd-target" in capsys.readouterr().err
 
 
 @pytest.mark.real
 @pytest.mark.skipif(not DEFAULT_DRAFT.is_dir(), reason="the default draft is committed by the training task")
 def test_committed_default_draft_loads_and_matches_its_manifest(smollm2):
-    from s2d_ray.core.draft import SortedDraft
+    from s2d_ray.models.drafts import load_draft
 
     manifest = json.loads((DEFAULT_DRAFT / "MANIFEST.json").read_text())
-    draft = SortedDraft.load(DEFAULT_DRAFT, smollm2.model)
+    draft = load_draft(DEFAULT_DRAFT, smollm2.model)
     cfg = manifest["config"]
     assert draft.spec.num_layers == cfg["num_layers"] and draft.spec.exit_layers == cfg["exit_layers"]
     assert (draft.vocab_ids is None) == (not cfg["vocab_size"])
@@ -307,6 +308,9 @@ def test_lora_adapter_trains_and_loads_as_a_named_source(tmp_path, tiny_llama_di
     rows = write_rows(tmp_path / "rows.jsonl")
     info = train_lora(str(tiny_llama_dir), rows, tmp_path / "adapter", steps=3, batch_size=2, lr=1e-2, rank=4)
     assert info["steps"] == 3 and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    # the base as it was named, not where its converted copy lies on this machine
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tiny_llama_dir)
     register_source(NamedSource(name="tiny-lora-test", base=str(tiny_llama_dir), adapter_dir=tmp_path / "adapter"))
     try:
         merged = load_model("tiny-lora-test", cache_dir=tmp_path / "cache")
@@ -333,9 +337,9 @@ def test_export_from_checkpoint_equals_the_saved_draft(tmp_path, tiny_llama_dir)
 
 def test_a_deeper_draft_grows_from_a_trained_shallower_one(tmp_path):
     """--init with fewer layers than the run: its layers (and trained norm and head rows) come first, the target's
-    next layer after; a deeper --init is refused. Item 2 of issue 16 (a deeper draft) starts from the trained one."""
-    from s2d_ray.core.draft import SortedDraft
+    next layer after; a deeper --init is refused: a deeper draft starts from the trained one."""
     from s2d_ray.models import load_model
+    from s2d_ray.models.drafts import load_draft
 
     target_dir = save_tiny_llama(tmp_path / "tiny3", num_layers=3)
     small = Run(tiny_cfg(tmp_path, target_dir, out=str(tmp_path / "run_a"), steps=3, vocab_size=40,
@@ -356,7 +360,7 @@ def test_a_deeper_draft_grows_from_a_trained_shallower_one(tmp_path):
     with pytest.raises(ValueError, match="3 layers, this run 2"):
         Run(tiny_cfg(tmp_path, target_dir, out=str(tmp_path / "run_c"), steps=1, vocab_size=40,
                      init=str(tmp_path / "deep")))
-    assert SortedDraft.load(tmp_path / "deep", target).spec.num_layers == 3
+    assert load_draft(tmp_path / "deep", target).spec.num_layers == 3
 
 
 def test_topk_kd_equals_full_kd_restricted_to_the_top_k():
@@ -498,8 +502,8 @@ def test_kd_cache_built_in_bfloat16_is_close_and_kept_apart(tmp_path, tiny_llama
 
 @pytest.mark.parametrize("flags, built", [((), "float32"), (("avx512_bf16",), "bfloat16")])
 def test_kd_cache_dtype_auto_builds_in_what_this_cpu_runs_fast(tmp_path, tiny_llama_dir, monkeypatch, flags, built):
-    """bf16 only where the CPU has native bf16 (without it, building the stage-6 cache took 17 s a step, not 1.5)."""
-    from s2d_ray import dtypes
+    """bf16 only where the CPU has native bf16 (without it, bf16 matmuls run far slower than fp32)."""
+    from s2d_ray import hardware as dtypes
 
     monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
     Run(tiny_cfg(tmp_path, tiny_llama_dir, kd_targets=[str(tiny_llama_dir)], kd_weight=1.0, vocab_size=64, steps=2,
@@ -623,7 +627,7 @@ def test_a_run_moves_to_a_machine_without_its_checkpoint_or_kd_cache(tmp_path, t
 
 
 def test_autocast_runs_the_draft_in_bfloat16_close_to_float32(tmp_path, tiny_llama_dir, monkeypatch):
-    from s2d_ray import dtypes
+    from s2d_ray import hardware as dtypes
     from s2d_ray.train.soft import resolve_autocast
 
     kw = dict(steps=3, vocab_size=64, train_norm_head=True)

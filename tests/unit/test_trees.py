@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_fixtures import noisy_draft, random_prompts, tiny_target
-from s2d_ray.core.budget import RoundPlan, SpeculationBudget, TreeShape
+from core_fixtures import KERNELS, noisy_draft, random_prompts, tiny_target
+from s2d_ray.core.budget import RoundObservation, RoundPlan, SpeculationBudget, TreeShape
 from s2d_ray.core.costs import CostModel
 from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
+from s2d_ray.core.exploration import Exploration
 from s2d_ray.core.lookup import PromptLookup, TreeDrafter, find_continuation
 from s2d_ray.core.policy import FixedK
 from s2d_ray.core.sampling import logits_to_probs, sample
@@ -35,7 +36,7 @@ def random_tree(n: int, vocab: int, gen: torch.Generator) -> TokenTree:
 def test_tree_verification_equals_each_path_scored_as_a_chain(target):
     """Every node sees exactly the prefix and its ancestors: its logits equal a plain forward over prefix + path."""
     gen = torch.Generator().manual_seed(0)
-    verifier = TargetVerifier(target)
+    verifier = TargetVerifier(target, kernels=KERNELS)
     prompts = random_prompts(3, seed=3)
     trees = [random_tree(9, 96, gen) for _ in prompts]
     reqs = [ScoreRequest(f"s{i}", p + t.tokens, len(t) + 1, t.parents) for i, (p, t) in enumerate(zip(prompts, trees))]
@@ -69,7 +70,7 @@ def test_ancestor_mask_is_exactly_self_and_ancestors():
 
 def test_accepted_path_kv_is_compacted(target):
     """After a tree round that accepts a sibling path, the next round's logits equal a fresh computation."""
-    verifier = TargetVerifier(target)
+    verifier = TargetVerifier(target, kernels=KERNELS)
     prompt = random_prompts(1, seed=4)[0]
     tree = TokenTree()
     tree.add_path([10, 11, 12], [1, 1, 1], [0.9, 0.8, 0.7])  # nodes 0-2: the spine
@@ -108,7 +109,7 @@ def tree_engine(target, width: int, lookup: bool, costs: CostModel | None = None
     finder = PromptLookup(max_ngram=3, num_tokens=6, candidates=lookup_candidates) if lookup else None
     drafter = TreeDrafter(SortedDrafter(noisy_draft(target)) if draft else None, finder, alone_ngram=3)
     budget = SpeculationBudget(TreeShape(width=width, lookup=lookup, max_nodes=12), costs, max_depth=6)
-    return SpecEngine(TargetVerifier(target), drafter, FixedK(k), budget=budget)
+    return SpecEngine(TargetVerifier(target, kernels=KERNELS), drafter, FixedK(k), budget=budget)
 
 
 def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
@@ -123,7 +124,7 @@ def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("batch", [False, True])
 def test_greedy_trees_equal_target_greedy(target, width, lookup, batch):
     prompts = random_prompts(4, seed=width) + repetitive_prompts(2, seed=width)
-    ar = run(SpecEngine(TargetVerifier(target)), prompts, 40, batch=True)
+    ar = run(SpecEngine(TargetVerifier(target, kernels=KERNELS)), prompts, 40, batch=True)
     out = run(tree_engine(target, width, lookup), prompts, 40, batch)
     accepted = drafted = 0
     for a, s in zip(ar, out):
@@ -186,7 +187,7 @@ def test_mixed_batch_of_trees_and_plain_rows(target):
     """Load-aware sizing gives some rows no nodes; chains, trees and plain steps share forwards losslessly."""
     costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 20.0, 32: 36.0}}, [1.0, 1.5, 2.0])
     prompts = random_prompts(6, seed=21, lo=2, hi=30) + repetitive_prompts(2, seed=21)
-    ar = run(SpecEngine(TargetVerifier(target)), prompts, 30, batch=True)
+    ar = run(SpecEngine(TargetVerifier(target, kernels=KERNELS)), prompts, 30, batch=True)
     out = run(tree_engine(target, 3, True, costs), prompts, 30, batch=True)
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
 
@@ -196,7 +197,7 @@ def test_load_aware_budget_turns_speculation_off_when_verification_is_dear(targe
     dear = CostModel({1: {1: 10.0, 2: 40.0, 4: 80.0, 8: 160.0}}, [5.0, 6.0, 7.0])
     engine = tree_engine(target, 4, False, dear)
     prompts = random_prompts(3, seed=5)
-    ar = run(SpecEngine(TargetVerifier(target)), prompts, 20, batch=True)
+    ar = run(SpecEngine(TargetVerifier(target, kernels=KERNELS)), prompts, 20, batch=True)
     out = run(engine, prompts, 20, batch=True)
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert all(o.metrics["num_draft_tokens"] == 0 for o in out)
@@ -213,7 +214,7 @@ def test_auto_policy_stops_deepening_at_low_confidence(target):
     costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0, 16: 12.0, 32: 14.0}}, [1.0, 1.5, 2.0])
     engine = tree_engine(target, 2, True, costs)
     prompts = random_prompts(4, seed=17) + repetitive_prompts(2, seed=17)
-    ar = run(SpecEngine(TargetVerifier(target)), prompts, 30, batch=True)
+    ar = run(SpecEngine(TargetVerifier(target, kernels=KERNELS)), prompts, 30, batch=True)
     plans = []
     plan = engine.budget.plan
     engine.budget.plan = lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1]
@@ -284,7 +285,7 @@ def sampling_tree_engine(target, frontier: int = 1) -> SpecEngine:
     `frontier` nodes expanded per depth (1: the top-1 spine)."""
     draft = SortedDrafter(noisy_draft(target, noise=0.3, thresholds=[0.3, 0.3, 0.0]))
     shape = TreeShape(width=3, lookup=True, max_nodes=10, frontier=frontier)
-    return SpecEngine(TargetVerifier(target), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
+    return SpecEngine(TargetVerifier(target, kernels=KERNELS), TreeDrafter(draft, PromptLookup(3, 4), alone_ngram=9), FixedK(2),
                       budget=SpeculationBudget(shape, None, 4))
 
 
@@ -340,33 +341,34 @@ def test_budget_prices_the_draft_against_measured_not_gridded_verification():
     budget.rounds = 5  # not an exploration round
     assert budget.plan(1, 0).depth > 0
     for _ in range(40):
-        budget.observe_round(0.0065, 1, 0.004, 1, verify=(0.005, 1, 1), batch=1)
+        budget.observe_round(RoundObservation(0.0065, 1, 0.004, 1, verify=(0.005, 1, 1), batch=1))
     assert budget.scale == pytest.approx(0.5, rel=1e-3) and budget.depth_seconds(1) == pytest.approx(0.004)
     budget.rounds = 5
     assert budget.plan(1, 0).depth == 0
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    budget.rounds = Exploration.EVERY
     assert budget.plan(1, 0).depth > 0  # exploration keeps acceptance measured
     for _ in range(40):
-        budget.observe_round(0.5, 1, 9.0, 1, verify=None)  # a prompt round: neither scale nor draft cost move
-        budget.observe_round(0.024, 1, 0.004, 1, verify=(0.020, 1, 1), batch=1)
+        # a round untimed (a prompt, or a catch-up): neither scale nor draft cost move
+        budget.observe_round(RoundObservation(0.5, 1, 9.0, 1, verify=None))
+        budget.observe_round(RoundObservation(0.024, 1, 0.004, 1, verify=(0.020, 1, 1), batch=1))
     budget.rounds = 5
     assert budget.scale == pytest.approx(2.0, rel=1e-3) and budget.plan(1, 0).depth > 0
 
 
 def test_budget_learns_a_draft_depth_from_warm_rounds_not_catch_ups():
     """The first drafting round after plain rounds also catches the draft up on every token since (`batch` None):
-    its draft time is not a depth's cost. Learning from it priced a depth at 4x its cost and drafting never resumed
-    (session 22); warm drafting rounds teach it."""
+    its draft time is not a depth's cost. Learning from it prices a depth at several times its cost, and drafting never
+    resumes to correct it; warm drafting rounds teach it."""
     costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}}, [1.0, 2.0, 4.0])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     budget.rounds = 5
     for _ in range(10):  # catch-ups: 20 ms of draft time each, one depth
-        budget.observe_round(0.03, 2, 0.020, 1, verify=(0.010, 1, 2), batch=None)
+        budget.observe_round(RoundObservation(0.03, 2, 0.020, 1, verify=(0.010, 1, 2), batch=None))
     assert budget.depth_seconds(1) == pytest.approx(0.004)  # still the calibrated depth
     budget.rounds = 5
     assert budget.plan(1, 0).depth > 0  # 1.5 x 10 > 10.5 + 4: drafting pays
     for _ in range(40):  # warm drafting rounds at 2 ms a depth
-        budget.observe_round(0.013, 2, 0.002, 1, verify=(0.010, 1, 2), batch=1)
+        budget.observe_round(RoundObservation(0.013, 2, 0.002, 1, verify=(0.010, 1, 2), batch=1))
     assert budget.depth_seconds(1) == pytest.approx(0.002, rel=1e-3)
     wrong = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     wrong._depth_s = 0.020  # what counting the catch-ups learned: a depth dearer than the whole gain
@@ -375,8 +377,8 @@ def test_budget_learns_a_draft_depth_from_warm_rounds_not_catch_ups():
 
 
 def test_budget_verifies_nodes_it_prices_out_now_and_then_so_estimates_can_recover():
-    """Where width is dear (this AVX2 host's fp32 grid: two positions cost 1.5 steps), lookup estimates that a few
-    rejections pushed below the pay line kept nodes out for good: unverified nodes teach nothing. Now every 16th round
+    """Where width is dear (a grid where two positions cost 1.5 steps), lookup estimates that a few rejections pushed
+    below the pay line would keep nodes out for good: unverified nodes teach nothing. So every 16th round
     that offers nodes and keeps none verifies them all, the gap doubling (16, 32, 64, ...) while the model still keeps
     none, and back to 16 once it keeps some."""
     costs = CostModel({1: {1: 66.0, 2: 102.0, 4: 112.0, 8: 125.0, 16: 159.0}}, [6.0, 10.0, 13.0])
@@ -398,7 +400,7 @@ def test_an_engine_whose_lookup_estimates_fell_still_verifies_lookup_sometimes_a
     for cell in cells:
         cell[0], cell[1] = 0.0, 1000.0  # as after many rejections
     prompts = repetitive_prompts(4, seed=23)
-    ar = run(SpecEngine(TargetVerifier(target)), prompts, 40, batch=False)
+    ar = run(SpecEngine(TargetVerifier(target, kernels=KERNELS)), prompts, 40, batch=False)
     out = run(engine, prompts, 40, batch=False)
     assert [o.token_ids for o in out] == [a.token_ids for a in ar]
     assert sum(o.metrics["num_draft_tokens"] for o in out) > 0
@@ -417,25 +419,25 @@ def test_budget_keeps_lookup_nodes_only_while_measured_rounds_say_they_pay():
     budget.rounds = 5
     assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) > 0
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.030, 4, 0.0, 0, batch=1)
-        budget.observe_round(9.0, 1, 0.0, 0, batch=None, nodes=3)  # a prompt round
-        budget.observe_round(0.050, 1, 0.004, 2, batch=1, nodes=3)  # a drafting round
+        budget.observe_round(RoundObservation(0.030, 4, 0.0, 0, batch=1))
+        budget.observe_round(RoundObservation(9.0, 1, 0.0, 0, batch=None, nodes=3))  # a prompt round
+        budget.observe_round(RoundObservation(0.050, 1, 0.004, 2, batch=1, nodes=3))  # a drafting round
     assert budget.node_cap([[0.9, 0.5]]) > 0  # lookup-only trees not timed yet: the model keeps nodes
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.030, 2, 0.0, 0, batch=1, nodes=2)
+        budget.observe_round(RoundObservation(0.030, 2, 0.0, 0, batch=1, nodes=2))
     budget.rounds = 5
     assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) == 0
     assert budget.plan(8, 0).depth == 0 and budget.node_cap([[0.9, 0.5]] * 8) > 0  # 5-8 rows: modelled
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY // 2
+    budget.rounds = Exploration.EVERY // 2
     assert budget.plan(1, 0).depth == 0 and budget.node_cap([[0.9, 0.5]]) > 0  # exploration of trees
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    budget.rounds = Exploration.EVERY
     assert budget.plan(1, 0).depth > 0 and budget.node_cap([[0.9, 0.5]]) > 0  # a drafting round keeps its nodes
     measured = budget.measured()
     assert set(measured) == {"1/draft", "1/plain", "1/tree", "1/nodraft"}
     # every round is in the time account, by kind: prompt rounds and drafting rounds that caught up too
     assert {k: v[0] for k, v in budget.spent.items()} == {"plain": 3, "tree": 6, "draft": 3}
-    budget.observe_round(0.2, 8, 0.1, 2, batch=None)  # a drafting round whose draft caught up first
-    budget.observe_round(0.2, 8, 0.0, 0, batch=None, prompt=True)
+    budget.observe_round(RoundObservation(0.2, 8, 0.1, 2, batch=None))  # a drafting round whose draft caught up first
+    budget.observe_round(RoundObservation(0.2, 8, 0.0, 0, batch=None, prompt=True))
     assert budget.spent["catch-up"] == [1, 0.2, 8, 0.1] and budget.spent["prompt"] == [1, 0.2, 8, 0.0]
     assert measured["1/plain"]["ms_per_token"] == pytest.approx(7.5)
     assert measured["1/draft"]["ms_per_token"] == pytest.approx(50.0)
@@ -454,27 +456,27 @@ def test_budget_lets_measured_rounds_veto_drafting_from_five_rows_only():
     assert budget.plan(1, 0).depth > 0 and budget.plan(8, 0).depth == 0  # 8 rows: rounds without it timed first
     for batch in (1, 8):
         for _ in range(SpeculationBudget.MEASURED_AFTER):
-            budget.observe_round(0.009 * batch, batch, 0.0005, 1, batch=batch)  # drafting rounds
-            budget.observe_round(0.007 * batch, batch, 0.0, 0, batch=batch)  # plain rounds
+            budget.observe_round(RoundObservation(0.009 * batch, batch, 0.0005, 1, batch=batch))  # drafting rounds
+            budget.observe_round(RoundObservation(0.007 * batch, batch, 0.0, 0, batch=batch))  # plain rounds
     budget.rounds = 5
     assert budget.plan(8, 0).depth == 0 and budget.plan(6, 0).depth == 0  # 5-8 rows share the bucket
     assert budget.plan(1, 0).depth > 0 and budget.plan(4, 0).depth > 0
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    budget.rounds = Exploration.EVERY
     assert budget.plan(8, 0).depth > 0  # a re-check: the catch-up round, then the timed one
     budget.rounds += 1
     assert budget.plan(8, 0).depth > 0
     for _ in range(12):
-        budget.observe_round(0.005 * 8, 8, 0.0005, 1, batch=8)
+        budget.observe_round(RoundObservation(0.005 * 8, 8, 0.0005, 1, batch=8))
     budget.rounds += 1
-    assert budget.plan(8, 0).depth > 0 and 8 not in budget._explore_gap  # drafting won: chosen again, gap reset
+    assert budget.plan(8, 0).depth > 0 and 8 not in budget.exploration.gaps  # drafting won: chosen again, gap reset
 
 
 def test_budget_times_rounds_without_the_draft_when_the_model_drafts_from_five_rows():
     """A cheap draft the model runs at every batch size. From 5 rows, rounds without the draft are timed first (three
     decode rounds; a prompt round drafts as modelled and is not one of them), then drafting rounds; the measured rates
     then decide. While drafting keeps winning, one round in 16 is still timed without it (so the veto can act when
-    load or acceptance change); below 5 rows nothing changes. Without this a run whose first rounds drafted kept
-    drafting whatever it cost (session 13: 26 ms a token against 13-15 for lookup-only rounds)."""
+    load or acceptance change); below 5 rows nothing changes. Without this a run whose first rounds drafted keeps
+    drafting whatever it costs."""
     grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
     costs = CostModel({1: dict(grid), 8: dict(grid)}, [0.5, 0.5, 0.5])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
@@ -484,14 +486,14 @@ def test_budget_times_rounds_without_the_draft_when_the_model_drafts_from_five_r
         prompt = r == 2
         plans.append(budget.plan(8, 0, prompts=int(prompt)).depth > 0)
         if not plans[-1]:
-            budget.observe_round(0.056, 8, 0.0, 0, batch=8)  # a timed round without the draft (7 ms a token)
+            budget.observe_round(RoundObservation(0.056, 8, 0.0, 0, batch=8))  # timed, without the draft: 7 ms a token
     assert plans == [False, True, False, False, True, True]  # 3 timed rounds without it (the prompt round drafts)
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.040, 8, 0.0005, 1, batch=8)  # drafting rounds: 5 ms a token, faster
+        budget.observe_round(RoundObservation(0.040, 8, 0.0005, 1, batch=8))  # drafting rounds: 5 ms a token, faster
     assert drafting_rounds(budget, 8, range(17, 50)) == [r for r in range(17, 50) if r % 16]
     assert drafting_rounds(budget, 2, range(17, 50)) == list(range(17, 50))
     for _ in range(12):
-        budget.observe_round(0.080, 8, 0.0005, 1, batch=8)  # drafting got dear: 10 ms a token
+        budget.observe_round(RoundObservation(0.080, 8, 0.0005, 1, batch=8))  # drafting got dear: 10 ms a token
     assert drafting_rounds(budget, 8, range(50, 60)) == []  # vetoed by what was measured
 
 
@@ -507,29 +509,27 @@ def drafting_rounds(budget: SpeculationBudget, batch: int, rounds: range, prompt
 
 
 def test_budget_times_joining_sequences_catch_ups_with_drafting_rounds_from_five_rows():
-    """Served at 8 rows, sequences come and go: a drafting round in which a new sequence's prompt is filled into the
+    """At 8 rows, sequences come and go: a drafting round in which a new sequence's prompt is filled into the
     draft (beside warm rows) is what drafting costs as sequences join, so it is timed with drafting rounds (not for the
     cost of a depth). Warm drafting rounds alone (5 ms a token) look faster than rounds without the draft (7 ms);
-    with the joining rounds' catch-ups counted (50 ms a token, one round in three) they are not, and the veto acts.
-    Counting only warm rounds, session 23's served runs drafted in 26 rounds at 33 ms a token and caught up in 17
-    more, where rounds without the draft took 26-27."""
+    with the joining rounds' catch-ups counted (50 ms a token, one round in three) they are not, and the veto acts."""
     grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
     costs = CostModel({1: dict(grid), 8: dict(grid)}, [0.5, 0.5, 0.5])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.056, 8, 0.0, 0, batch=8)  # rounds without the draft: 7 ms a token
+        budget.observe_round(RoundObservation(0.056, 8, 0.0, 0, batch=8))  # rounds without the draft: 7 ms a token
     for _ in range(4):
-        budget.observe_round(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8)  # warm: 5 ms a token
-        budget.observe_round(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8)
-        budget.observe_round(0.400, 8, 0.3, 1, verify=(0.03, 8, 2), batch=8, warm=False)  # a sequence joined
+        budget.observe_round(RoundObservation(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8))  # warm: 5 ms a token
+        budget.observe_round(RoundObservation(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8))
+        budget.observe_round(RoundObservation(0.400, 8, 0.3, 1, verify=(0.03, 8, 2), batch=8, warm=False))  # one joined
     assert budget.measured_better(8, "draft", "nodraft") is False
     assert budget.depth_seconds(8) == pytest.approx(0.0005)  # the joining catch-ups are not a depth's cost
     assert budget.spent["catch-up"][0] == 4 and budget.spent["draft"][0] == 8
     assert drafting_rounds(budget, 8, range(17, 32)) == []  # vetoed
     warm_only = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        warm_only.observe_round(0.056, 8, 0.0, 0, batch=8)
-        warm_only.observe_round(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8)
+        warm_only.observe_round(RoundObservation(0.056, 8, 0.0, 0, batch=8))
+        warm_only.observe_round(RoundObservation(0.040, 8, 0.0005, 1, verify=(0.03, 8, 2), batch=8))
     assert warm_only.measured_better(8, "draft", "nodraft") is True  # what timing warm rounds alone would say
 
 
@@ -565,8 +565,7 @@ def test_engine_prompt_rounds_reach_the_budget_as_prompt_rounds(target):
     engine = tree_engine(target, 2, True, costs)
     seen = []
     observe = engine.budget.observe_round
-    engine.budget.observe_round = lambda *a, **k: (seen.append((a[4] if len(a) > 4 else k.get("verify"),
-                                                                k.get("batch"))), observe(*a, **k))[1]
+    engine.budget.observe_round = lambda obs: (seen.append((obs.verify, obs.batch)), observe(obs))[1]
     plans = []
     plan = engine.budget.plan
     engine.budget.plan = lambda *a, **k: (plans.append(k.get("prompts")), plan(*a, **k))[1]
@@ -584,7 +583,7 @@ def test_engine_times_a_drafting_round_only_when_its_rows_drafted_the_round_befo
     engine.budget.plan = lambda batch, depth, prompts=0, rows=None: RoundPlan(2, 0.0)  # always draft
     seen = []
     observe = engine.budget.observe_round
-    engine.budget.observe_round = lambda *a, **k: (seen.append((a[3], k.get("batch"))), observe(*a, **k))[1]
+    engine.budget.observe_round = lambda obs: (seen.append((obs.depth, obs.batch)), observe(obs))[1]
     run(engine, random_prompts(1, seed=3), 8, batch=True)
     drafting = [batch for depth, batch in seen if depth > 0]
     assert drafting[0] is None and drafting[1:] and all(b == 1 for b in drafting[1:])
@@ -599,8 +598,8 @@ def test_engine_times_a_round_where_a_sequence_joins_the_draft_but_not_as_warm(t
     engine.budget.plan = lambda batch, depth, prompts=0, rows=None: RoundPlan(2, 0.0)  # always draft
     seen = []
     observe = engine.budget.observe_round
-    engine.budget.observe_round = lambda *a, **k: (seen.append((a[3] > 0, k.get("batch"), k.get("warm"),
-                                                                k.get("prompt"))), observe(*a, **k))[1]
+    engine.budget.observe_round = lambda obs: (seen.append((obs.depth > 0, obs.batch, obs.warm, obs.prompt)),
+                                               observe(obs))[1]
     first, second = random_prompts(2, seed=4)
     engine.add_request(GenerationRequest("a", first, 30))
     for _ in range(4):
@@ -618,7 +617,7 @@ def test_budget_drafts_a_row_only_where_its_catch_up_pays():
     """At 4 rows the model drafts (1.5 x 20 ms > 22 + 1). A row the draft must first catch up on 300 tokens (1 ms each)
     with 10 tokens left gains ~12 ms from drafting: it is held out (lookup and plain for it); a warm row (3 tokens
     behind) and a row with 2,000 tokens left draft. When every row that may draft is held, the round does not draft.
-    Served, such catch-ups were S2D's whole loss at 8 rows (session 23): the old rule (no rows) drafts them all."""
+    Without `rows` every row drafts."""
     grid = {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0}
     costs = CostModel({1: dict(grid), 4: {1: 20.0, 2: 22.0, 4: 24.0, 8: 30.0}}, [1.0, 1.0, 1.0])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
@@ -641,7 +640,7 @@ def test_budget_explores_the_draft_only_with_cheap_catch_ups():
     costs = CostModel({1: dict(grid), 2: dict(grid)}, [50.0, 50.0, 50.0])  # a dear draft: modelled not to pay
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     budget._fill_s = 0.0005
-    budget.rounds = SpeculationBudget.EXPLORE_EVERY
+    budget.rounds = Exploration.EVERY
     assert budget.plan(2, 0, rows=[(10, 1000), None]).depth > 0
     assert budget.plan(2, 0, rows=[(100, 1000), None]).depth == 0
     budget.rounds = 5
@@ -655,11 +654,31 @@ def test_budget_learns_the_draft_fill_cost_from_catch_ups():
     costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 16.0}}, [1.0, 2.0, 4.0])
     budget = SpeculationBudget(TreeShape(width=3, max_nodes=8), costs, max_depth=4)
     assert budget.fill_seconds() == pytest.approx(4.0 / 10.0 * 16.0 / 8 / 1000)
-    budget.observe_round(0.5, 2, 0.9, 1, verify=None, prompt=True, warm=False, filled=400)
-    budget.observe_round(0.05, 2, 0.03, 1, verify=(0.01, 1, 2), warm=False, filled=8)
+    budget.observe_round(RoundObservation(0.5, 2, 0.9, 1, verify=None, prompt=True, warm=False, filled=400))
+    budget.observe_round(RoundObservation(0.05, 2, 0.03, 1, verify=(0.01, 1, 2), warm=False, filled=8))
     assert budget._fill_s is None
-    budget.observe_round(0.25, 2, 0.204, 1, verify=(0.01, 1, 2), warm=False, filled=200)
+    budget.observe_round(RoundObservation(0.25, 2, 0.204, 1, verify=(0.01, 1, 2), warm=False, filled=200))
     assert budget.fill_seconds() == pytest.approx(0.001)
+
+
+def test_budget_forgets_sequences_that_finish_or_abort(target):
+    """The budget keeps what the draft has seen of each live sequence (to price its catch-up and time its rounds); a
+    sequence that finishes or is aborted leaves nothing behind, so an id used again starts from nothing."""
+    costs = CostModel({1: {1: 10.0, 2: 10.2, 4: 10.4, 8: 11.0}}, [0.1, 0.1, 0.1])
+    engine = tree_engine(target, 2, False, costs)
+    engine.budget.plan = lambda batch, depth, prompts=0, rows=None: RoundPlan(2, 0.0)  # always draft
+    first, second = random_prompts(2, seed=8)
+    engine.add_request(GenerationRequest("a", first, 12))
+    engine.add_request(GenerationRequest("b", second, 40))
+    for _ in range(3):
+        engine.step()
+    length = len(engine.seqs["b"].tokens)
+    assert engine.budget.behind("b", length) < length  # the draft has seen b
+    engine.abort("b")
+    assert engine.budget.behind("b", length) == length
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.budget.behind("a", 50) == 50
 
 
 def test_engine_reports_what_a_resumed_draft_caught_up_on_and_holds_rows_it_prices_out(target):
@@ -673,7 +692,7 @@ def test_engine_reports_what_a_resumed_draft_caught_up_on_and_holds_rows_it_pric
         calls.append(rows), RoundPlan(0 if len(calls) in (3, 4, 5) else 2, 0.0))[1]
     seen = []
     observe = engine.budget.observe_round
-    engine.budget.observe_round = lambda *a, **k: (seen.append((a[1], a[3], k.get("filled"))), observe(*a, **k))[1]
+    engine.budget.observe_round = lambda obs: (seen.append((obs.tokens, obs.depth, obs.filled)), observe(obs))[1]
     prompt = random_prompts(1, seed=5)[0]
     engine.generate([GenerationRequest("a", prompt, 30)])
     assert calls[0] == [None] and calls[1] == [(len(prompt) + 1, 28)]  # the prompt round; the first draft's lag
@@ -697,7 +716,7 @@ def test_engine_reports_what_a_resumed_draft_caught_up_on_and_holds_rows_it_pric
 
 def test_budget_values_a_catch_up_by_measured_plain_and_drafting_rounds_once_both_are_timed():
     """The first depth's modelled saving undervalues drafting where deeper depths and lookup merges carry the gain
-    (fp32 here, in-process: drafting rounds 69 ms a token against plain rounds' 87, the model ~0): a long prompt's
+    (here drafting rounds take 69 ms a token against plain rounds' 87, where the model sees ~0 saving): a long prompt's
     catch-up (300 tokens at 1 ms) is held out on the model's figure, and drafts once measured rounds say each of its 60
     remaining tokens saves 18 ms. Lookup-alone rounds (fast only because their match was long) do not count. At one
     row nothing is held (`CATCH_UP_FROM`)."""
@@ -710,10 +729,11 @@ def test_budget_values_a_catch_up_by_measured_plain_and_drafting_rounds_once_bot
     assert budget.plan(2, 0, rows=held).depth == 0  # modelled: (1.5 x 10 - 13.5 - 0.5) / 3 ms a token
     assert budget.plan(1, 0, rows=[(300, 60)]).depth > 0  # one row: not priced
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.060, 2, 0.0, 0, nodes=4, batch=2)  # lookup-alone: 30 ms a token
-        budget.observe_round(0.696, 8, 0.0, 0, batch=2)  # plain, four steps a call: 87 ms a token
+        budget.observe_round(RoundObservation(0.060, 2, 0.0, 0, nodes=4, batch=2))  # lookup-alone: 30 ms a token
+        budget.observe_round(RoundObservation(0.696, 8, 0.0, 0, batch=2))  # plain, four steps a call: 87 ms a token
     assert budget.plan(2, 0, rows=held).depth == 0  # drafting not timed yet
     for _ in range(SpeculationBudget.MEASURED_AFTER):
-        budget.observe_round(0.276, 4, 0.0005, 1, verify=(0.0135, 2, 2), batch=2)  # drafting: 69 ms a token
+        # drafting: 69 ms a token
+        budget.observe_round(RoundObservation(0.276, 4, 0.0005, 1, verify=(0.0135, 2, 2), batch=2))
     assert budget.plan(2, 0, rows=held).depth > 0
     assert budget.plan(2, 0, rows=[(300, 10), None]).depth == 0  # 10 x 18 ms < 300 ms

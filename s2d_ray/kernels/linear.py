@@ -2,20 +2,21 @@
 packed GEMM for one row.
 
 Why several rows: verification and batched decoding push 2-32 rows through every projection. On an AVX2 CPU in fp32
-the stock kernel (MKL's GEMM) costs 1.7-3.5x a single row's GEMV already at 2-3 rows (it repacks the weight on every
-call), so verifying a second position cost 1.5 decode steps and no draft could pay for it. oneDNN's linear with a
-weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, what torch inductor's CPU weight prepacking calls)
-runs 2-3 rows for about one row's time on the large shapes (the MLP, the LM head), and loses on small ones (k/v).
+torch's stock kernel (MKL's GEMM) repacks the weight on every call and costs several times a single row's GEMV
+already at 2-3 rows, so verifying a second position cost more than a decode step and no draft could pay for it.
+oneDNN's linear with a weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, what torch inductor's CPU
+weight prepacking calls) runs a few rows for about one row's time on the large shapes (the MLP, the LM head), and
+loses on small ones (k/v).
 
 Why one row: a decode step (plain rounds, `ar`, every draft step) is one row per sequence. MKL's GEMM on a weight
-packed for exactly one row (`torch.ops.mkl._mkl_reorder_linear_weight(w, 1)`) runs the 49k-row LM head in ~55% of the
-stock GEMV's time on this AVX2 host (4.8 vs 8.7 ms) and the MLP's up/gate in ~75%; fp32 only. Its packed copy is
-larger than the weight (2x for the head, 3.4x for the MLP's), so a shape takes it only where it measured faster AND
-the copy is at most ONE_ROW_MAX_COPY times the weight's bytes. Other row counts on that copy fall back to the stock
-kernel inside MKL, so the several-row choice above is independent.
+packed for exactly one row (`torch.ops.mkl._mkl_reorder_linear_weight(w, 1)`) runs the LM head and the MLP's
+up/gate faster than the stock GEMV on AVX2 hosts; fp32 only. Its packed copy is larger than the weight (about 2x for
+the head, more for the MLP's), so a shape takes it only where it measured faster AND the copy is at most
+ONE_ROW_MAX_COPY times the weight's bytes. Other row counts on that copy fall back to the stock kernel inside MKL, so
+the several-row choice above is independent.
 
 Each choice is measured per weight shape, dtype and thread count when a stack asks for it (`packed_is_faster`,
-`one_row_is_faster`), against the least time each candidate ever took on this machine (core/kernel_times.py: a
+`one_row_is_faster`), against the least time each candidate ever took on this machine (kernels/timing_store.py: a
 process that loads beside busy neighbours keeps a quiet process's choice). Rounding differs from the stock kernel by
 ~1e-6 relative (the stock kernel is not batch-invariant either); fp64 is never packed.
 """
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_times import least_times
+from .timing_store import TimingStore, least_times
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
 
 
-ONE_ROW_MAX_COPY = 2.5  # the one-row copy's bytes over the weight's: the head's 2x passes, the MLP's 3.4x does not
+ONE_ROW_MAX_COPY = 2.5  # the one-row copy's bytes over the weight's: the LM head's copy passes, the MLP's does not
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +98,7 @@ def _timing_weights(out_features: int, in_features: int, dtype: torch.dtype, pac
 
 @functools.lru_cache(maxsize=None)
 def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, threads: int,
-                      repeats: int = 5) -> bool:
+                      store: TimingStore | None = None, repeats: int = 5) -> bool:
     """Whether MKL's one-row packed GEMM beats the stock kernel at one row for this weight shape (best of `repeats`,
     alternated, several weights so they do not all sit in cache) with a copy at most ONE_ROW_MAX_COPY times the
     weight. Once per process, shape, dtype and thread count."""
@@ -120,7 +121,7 @@ def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, t
     except RuntimeError as exc:
         logger.debug("one-row packed linear unavailable for %s: %s", dtype, exc)
         return False
-    t = least_times(f"linear one-row {out_features}x{in_features} {dtype} t{threads}",
+    t = least_times(store, f"linear one-row {out_features}x{in_features} {dtype} t{threads}",
                     {"stock": best[False], "packed": best[True]})
     logger.debug("linear %dx%d %s one row: stock %.3f ms, packed %.3f ms (least seen: %.3f, %.3f)", out_features,
                  in_features, dtype, best[False] * 1e3, best[True] * 1e3, t["stock"] * 1e3, t["packed"] * 1e3)
@@ -128,10 +129,11 @@ def one_row_is_faster(out_features: int, in_features: int, dtype: torch.dtype, t
 
 
 @functools.lru_cache(maxsize=None)
-def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, threads: int, repeats: int = 5) -> bool:
+def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, threads: int,
+                     store: TimingStore | None = None, repeats: int = 5) -> bool:
     """Whether the packed kernel beats the stock one for this weight shape and dtype on this CPU at 2, 4 and 8 rows
     (summed; best of `repeats`, alternated; several weights so that they do not all sit in cache). Once per process,
-    shape, dtype and thread count: ~10-500 ms for a 135M model's five shapes, most of it the LM head."""
+    shape, dtype, thread count and store; most of the time goes to the LM head."""
     if not supported(dtype):
         return False
     try:
@@ -139,7 +141,7 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
         inputs = {m: torch.randn(m, in_features).to(dtype) for m in TIMED_ROWS}
         best = {False: dict.fromkeys(TIMED_ROWS, float("inf")), True: dict.fromkeys(TIMED_ROWS, float("inf"))}
         if out_features * in_features > (4 << 20):
-            repeats = min(repeats, 3)  # the LM head: ~20 ms a call, and its choice is never close
+            repeats = min(repeats, 3)  # the LM head: the dearest call to time, and its choice is never close
         with torch.no_grad():
             for _ in range(repeats):
                 for use_packed in (False, True):
@@ -151,7 +153,7 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
     except RuntimeError as exc:  # a shape oneDNN does not take: the stock kernel
         logger.debug("packed linear unavailable for %s: %s", dtype, exc)
         return False
-    t = least_times(several_key(out_features, in_features, dtype, threads),
+    t = least_times(store, several_key(out_features, in_features, dtype, threads),
                     {"stock": sum(best[False].values()), "packed": sum(best[True].values())})
     logger.debug("linear %dx%d %s: stock %.2f ms, packed %.2f ms (rows %s; least seen on this machine)", out_features,
                  in_features, dtype, t["stock"] * 1e3, t["packed"] * 1e3, TIMED_ROWS)
@@ -159,7 +161,7 @@ def packed_is_faster(out_features: int, in_features: int, dtype: torch.dtype, th
 
 
 def several_key(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> str:
-    """packed_is_faster's entry in the machine's kernel times (core/kernel_times.py)."""
+    """packed_is_faster's entry in the machine's kernel times (kernels/timing_store.py)."""
     return f"linear several {out_features}x{in_features} {dtype} t{threads} rows{','.join(map(str, TIMED_ROWS))}"
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from s2d_ray.serve.draft_capacity import MIN_SLACK_S, DraftCapacity, MergeQueue
+from s2d_ray.serve.draft_batching import MIN_SLACK_S, DraftCapacity, MergeQueue
 from s2d_ray.serve.metrics import ServeMetrics
 
 
@@ -133,7 +133,7 @@ def test_the_window_self_aligns_callers_into_shared_forwards():
     """Merged forwards release their callers together and similar away times bring them back together: with the
     window most forwards are shared (callers that drift out of phase are pulled back by one wait up to the cap);
     without it (the draft mostly idle) callers seldom meet, and the draft works more per round. A window of one
-    forward alone (no aligning) left callers locked 20-30 ms apart: 54-71 % shared over seeds 0-4."""
+    forward alone (no aligning) would leave callers locked out of phase, which is why one longer wait aligns them."""
     for seed in range(3):
         shared, busy = simulate(wait_fraction=1.0, seed=seed)
         alone, busy_alone = simulate(wait_fraction=0.0, seed=seed)

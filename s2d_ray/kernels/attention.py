@@ -1,0 +1,87 @@
+"""Attention on the CPU: route Hugging Face decoder layers through the slot cache's grouped attention
+(core/attention.py), and choose its innermost kernel per machine.
+
+Grouped matmuls are several times faster than torch's SDPA on CPUs with native bf16, while on some AVX2 CPUs in
+float32 SDPA (with `enable_gqa`) is the faster innermost kernel (see BENCHMARKS.md). So the kernel is measured when a
+model loads (`sdpa_is_faster`), against the least time each candidate ever took on this machine
+(kernels/timing_store.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..core import attention as core_attention
+from ..core.cache import additive_mask
+from .timing_store import TimingStore, least_times
+
+GROUPED = "s2d_grouped"  # the attention implementation name Hugging Face layers are routed to
+SDPA_MIN_GAIN = 0.75  # SDPA must take at most this share of the grouped time: a close call keeps the grouped kernel
+
+
+@functools.lru_cache(maxsize=None)
+def sdpa_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   store: TimingStore | None = None, slots: int = 256, repeats: int = 12) -> bool:
+    """Whether torch's SDPA beats the grouped matmuls on this CPU for these heads and dtype (measured once per
+    process, shape and store): one row decoding, a 16-node tree, and 8 rows decoding over `slots` cached slots, with
+    the additive masks the slot cache builds, alternated, best of `repeats` each. SDPA must win by a quarter: a host
+    where the two are close keeps the grouped kernel every time instead of flipping between loads."""
+    def case(rows: int, q: int) -> tuple:
+        qry = torch.randn(rows, num_heads, q, head_dim).to(dtype)
+        key = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)  # the cache's strided view
+        value = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)
+        mask = additive_mask(core_attention.causal(q, slots, qry.device).expand(rows, q, slots), dtype)
+        return qry, key, value, mask
+
+    cases = [case(1, 1), case(1, 16), case(8, 1)]
+    best = {False: [float("inf")] * len(cases), True: [float("inf")] * len(cases)}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for kernel in (False, True):
+                for i, (qry, key, value, mask) in enumerate(cases):
+                    t0 = time.perf_counter()
+                    core_attention.attend(qry, key, value, mask, head_dim ** -0.5, kernel)
+                    best[kernel][i] = min(best[kernel][i], time.perf_counter() - t0)
+    t = least_times(store, f"attention {num_heads}/{num_kv_heads}x{head_dim} {dtype} slots{slots} "
+                    f"t{torch.get_num_threads()}", {"grouped": sum(best[False]), "sdpa": sum(best[True])})
+    return t["sdpa"] < SDPA_MIN_GAIN * t["grouped"]
+
+
+def register() -> None:
+    """Make `GROUPED` an attention implementation Hugging Face layers (and their own mask builder) accept."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED, core_attention.grouped_attention)
+    AttentionMaskInterface.register(GROUPED, sdpa_mask)
+
+
+def use_grouped(layers: nn.ModuleList) -> None:
+    """Route these decoder layers' attention through `grouped_attention` (their model's own forward too: the masks
+    it builds are SDPA's, which the function takes)."""
+    register()
+    for layer in layers:
+        config = getattr(getattr(layer, "self_attn", None), "config", None)
+        if config is not None and config._attn_implementation != GROUPED:
+            config._attn_implementation = GROUPED
+
+
+@contextmanager
+def stock_attention(*models: nn.Module | None, name: str = "sdpa") -> Iterator[None]:
+    """Run models with Hugging Face's stock attention for the duration (the benchmarks' transformers baselines share
+    the loaded target with the engine, and must stay what a transformers user gets)."""
+    configs = {id(m.config): m.config for m in models if m is not None}
+    before = {key: cfg._attn_implementation for key, cfg in configs.items()}
+    try:
+        for cfg in configs.values():
+            cfg._attn_implementation = name
+        yield
+    finally:
+        for key, cfg in configs.items():
+            cfg._attn_implementation = before[key]
