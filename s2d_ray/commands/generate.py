@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -35,6 +36,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Results go to stdout and nothing else does: whatever a library prints while models load or convert (DeepSpeed
+    binds its log handler to the stdout of the moment it is imported) goes to stderr, so `--json` stays JSON lines."""
+    results = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return _generate(args, results)
+
+
+def _generate(args: argparse.Namespace, results) -> int:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
     if args.batch_size < 1:
@@ -61,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
                 if res.logprobs is not None:
                     row["logprobs"] = [{"token_id": e.token, "logprob": e.logprob,
                                         "top": [[i, max(v, -9999.0)] for i, v in e.top]} for e in res.logprobs]
-                print(json.dumps(row), flush=True)
+                print(json.dumps(row), file=results, flush=True)
             else:
-                print(out, flush=True)
+                print(out, file=results, flush=True)
                 m = res.metrics
                 sys.stderr.write(f"[{m['num_generated_tokens']} tokens, {m['tokens_per_second']:.1f} tok/s, "
                                  f"mean accepted {m['mean_acceptance_length']:.2f}, exits {m['exit_histogram']}]\n")

@@ -3,6 +3,12 @@ detected and reported by the target's top-2 logit gap at the first differing tok
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,6 +17,7 @@ from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.policy import HeuristicK
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.kernels import CpuKernels
+from s2d_ray.models.sources import default_cache_dir
 from s2d_ray.prompts import encode_prompt
 
 KERNELS = CpuKernels()  # the backend the shipped entry points inject
@@ -94,3 +101,19 @@ def test_logprobs_match_a_plain_forward_on_real_weights(smollm2, bf16_draft):
         assert got == pytest.approx(want, abs=1e-3), name
         if name == "s2d":
             assert res.metrics["num_accepted_draft_tokens"] > 0
+
+
+def test_json_stdout_is_json_lines_when_the_run_first_converts_a_target(smollm2, tmp_path):
+    """`s2d generate --json` on a cache that holds the base model but not the GSM8K target: the run merges the
+    adapter first, and what libraries print meanwhile (DeepSpeed's accelerator warning among them) must reach stderr,
+    never stdout."""
+    cache = tmp_path / "cache"
+    shutil.copytree(default_cache_dir() / "models" / "smollm2-135m-instruct", cache / "models" / "smollm2-135m-instruct")
+    env = dict(os.environ, S2D_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-m", "s2d_ray.cli", "generate", "--target", "smollm2-135m-gsm8k", "--chat",
+                          "--prompt", "What is 2 + 3?", "--max-new-tokens", "4", "--json"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (cache / "models" / "smollm2-135m-gsm8k").is_dir()  # the target was converted in this run
+    rows = [json.loads(line) for line in run.stdout.splitlines()]  # every stdout line parses
+    assert len(rows) == 1 and len(rows[0]["token_ids"]) == 4
