@@ -23,6 +23,17 @@ TRAIN_DATA = "train/instructions.jsonl"  # instruction rows: training, self-dist
 GSM8K_TEST = "gsm8k_test_dev/test_dev.jsonl"  # held-out GSM8K problems
 SPEC_BENCH_QUESTIONS = "spec_bench/question.jsonl"  # Spec-Bench's question file
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+LinearKernel = Literal["auto", "several", "stock", "packed"]
+LINEAR_KERNEL_HELP = (
+    "CPU projections: `auto` runs weights packed once where that measured faster per shape (oneDNN for several rows, "
+    "MKL for one row), `several` the several-row choice only, `stock` torch's F.linear everywhere, `packed` every "
+    "projection packed both ways where the dtype allows. $S2D_LINEAR_KERNEL overrides it."
+)
+KERNEL_TIMES_HELP = (
+    "File keeping the least time each CPU kernel candidate took on this machine, which load-time kernel choices "
+    "decide on (a replica loading beside busy neighbours keeps a quiet process's choice); default "
+    "<cache dir>/kernel_times.json, `off`: this process's measurement alone. $S2D_KERNEL_TIMES overrides it."
+)
 
 
 def data_file(relative: str, flag: str | None = None) -> Path:
@@ -151,18 +162,8 @@ class EngineConfig(_Strict):
     )
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode and verify forwards as CUDA graphs by shape "
                               "bucket (an eager GPU step is bound by kernel launches); no effect on the CPU.")
-    linear_kernel: Literal["auto", "several", "stock", "packed"] = Field(
-        "auto", description="CPU projections: `auto` runs weights packed once where that measured faster per shape "
-        "(oneDNN for several rows, MKL for one row), `several` the several-row choice only, `stock` torch's "
-        "F.linear everywhere, `packed` every projection packed both ways where the dtype allows. $S2D_LINEAR_KERNEL "
-        "overrides it."
-    )
-    kernel_times: str | None = Field(
-        None, description="File keeping the least time each CPU kernel candidate took on this machine, which "
-        "load-time kernel choices decide on (a replica loading beside busy neighbours keeps a quiet process's "
-        "choice); default <cache dir>/kernel_times.json, `off`: this process's measurement alone. "
-        "$S2D_KERNEL_TIMES overrides it."
-    )
+    linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
+    kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
 
 
 class SamplingConfig(_Strict):

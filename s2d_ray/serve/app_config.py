@@ -10,7 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ..config import DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..config import (
+    DEFAULT_TARGET, KERNEL_TIMES_HELP, LINEAR_KERNEL_HELP, DraftConfig, DType, EngineConfig, LinearKernel, SpecConfig,
+    TargetConfig,
+)
 from ..hardware import resolve_dtype
 
 
@@ -259,6 +262,8 @@ class AppConfig(_Strict):
         ">= 16 positions; tp_size 1); default: num_threads. A round drafts, then verifies: one router's draft and "
         "target passes never run at the same time."
     )
+    linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
+    kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
@@ -309,7 +314,8 @@ class AppConfig(_Strict):
             draft=DraftConfig(source=self.draft.source, exit_layers=self.draft.exit_layers,
                               thresholds=self.draft.thresholds, stop_confidence=self.draft.stop_confidence),
             spec=self.spec, cache_dir=self.cache_dir, trust_remote_code=self.trust_remote_code,
-            num_threads=self.num_threads, wide_threads=self.wide_threads,
+            num_threads=self.num_threads, wide_threads=self.wide_threads, linear_kernel=self.linear_kernel,
+            kernel_times=self.kernel_times,
         )
 
     def max_sequences(self, name: str) -> int:

@@ -194,3 +194,21 @@ def test_decode_loop_does_not_run_under_the_request_context_that_started_it():
 
     assert len(asyncio.run(handler())) == 3
     assert seen and "first-http-request" not in seen
+
+
+def test_kernel_settings_reach_every_replicas_engine_config(monkeypatch):
+    """The served app's CPU kernel settings are config fields, handed to each target's EngineConfig (from which the
+    replicas build their kernels); a value outside the choices is refused by name."""
+    from s2d_ray.build import make_kernels
+
+    monkeypatch.delenv("S2D_LINEAR_KERNEL", raising=False)  # the environment overrides the config
+    monkeypatch.delenv("S2D_KERNEL_TIMES", raising=False)
+    app = AppConfig.model_validate({"targets": [{"name": "t", "source": "smollm2-135m-instruct"}],
+                                    "linear_kernel": "stock", "kernel_times": "off"})
+    ecfg = app.engine_config("t")
+    assert (ecfg.linear_kernel, ecfg.kernel_times) == ("stock", "off")
+    kernels = make_kernels(ecfg)
+    assert kernels.linear == "stock" and kernels.times is None
+    assert AppConfig.model_validate({"targets": [{"name": "t"}]}).engine_config("t").linear_kernel == "auto"
+    with pytest.raises(ValidationError, match="linear_kernel"):
+        AppConfig.model_validate({"targets": [{"name": "t"}], "linear_kernel": "fastest"})
