@@ -21,15 +21,16 @@ from statistics import median
 import torch
 from torch import nn
 
-from ..build import build_draft, load_profile, load_target, make_kernels, set_threads
+from ..build import build_draft, load_profile, load_target, set_threads
 from ..config import SPEC_BENCH_QUESTIONS, EngineConfig, optional_data_file
 from ..core.draft import SortedDraft, SortedDrafter
+from ..core.kernels import Kernels
 from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 from ..models import LoadedModel
 from ..prompts import sample_prompts
-from ..train.calibrate import context_ids, measure_verify_grid
 from ..hardware import machine_info
+from ..train.calibrate import context_ids, measure_verify_grid
 from .methods import EngineMethod, HFGenerate, with_mode
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,10 @@ def timed_ms(fn, repeats: int, warmup: int = 2) -> dict:
 
 
 # --- target and draft steps ------------------------------------------------------------------------------------------
-def target_steps(model: nn.Module, ctx: list[int], max_k: int, repeats: int) -> dict:
-    """Decode step, and verification of k draft tokens = one forward over k + 1 positions (k + 1 logits)."""
-    verifier = TargetVerifier(model, kernels=make_kernels())
+def target_steps(model: nn.Module, ctx: list[int], max_k: int, repeats: int, kernels: Kernels) -> dict:
+    """Decode step, and verification of k draft tokens = one forward over k + 1 positions (k + 1 logits), on the
+    kernels the engine runs (`kernels`: the config's backend)."""
+    verifier = TargetVerifier(model, kernels=kernels)
     verifier.score([ScoreRequest("s", ctx, 1)])  # prefill; later calls recompute only the tail
     drafts = ctx[-max_k - 1:][::-1]  # real token ids; values do not change the cost
     out = {"decode": timed_ms(lambda: verifier.score([ScoreRequest("s", ctx + drafts[:1], 1)]), repeats)}
@@ -196,8 +198,8 @@ def run_all(cfg: EngineConfig, run: StepsRun) -> dict:
     logger.info("steps at context %d, %d threads", len(ctx), torch.get_num_threads())
     result = {"machine": machine_info(), "target": cfg.target.name, "draft": cfg.draft.source,
               "context": len(ctx), "repeats": run.repeats, "gen_tokens": run.gen_tokens}
-    result["target_steps"] = target_steps(target.model, ctx, run.max_k, run.repeats)
-    grid = measure_verify_grid(target.model, ctx, repeat=max(run.repeats // 3, 3))
+    result["target_steps"] = target_steps(target.model, ctx, run.max_k, run.repeats, draft.kernels)
+    grid = measure_verify_grid(target.model, ctx, repeat=max(run.repeats // 3, 3), kernels=draft.kernels)
     result["verify_grid_ms"] = {str(b): {str(n): round(1e3 * t, 3) for n, t in row.items()} for b, row in grid.items()}
     logger.info("verify grid done")
     logger.info("target steps done: %s", result["target_steps"])
