@@ -67,7 +67,7 @@ def load_target(cfg: EngineConfig, device: torch.device | str | None = None) -> 
     dtype = resolve_dtype(cfg.target.dtype, device.type)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else None
     loaded = load_model(cfg.target.resolved_source, dtype=DTYPES[dtype], cache_dir=cache,
-                        trust_remote_code=cfg.trust_remote_code)
+                        trust_remote_code=cfg.trust_remote_code, device=device)
     if device.type != "cpu":
         loaded.model.to(device)
     logger.info("model %s on %s in %s", cfg.target.resolved_source, device, dtype)
@@ -96,8 +96,11 @@ def parse_cut(source: str) -> tuple[str, int, list[int] | None]:
     return parts[1], int(parts[2]), exits
 
 
-def draft_base_source(source: str) -> str:
-    """The model whose embedding/norm/head (and tokenizer) a draft shares: from `cut:<model>:L` or its config file."""
+def draft_base_source(source: str, base_model: str | None = None) -> str:
+    """The model whose embedding/norm/head (and tokenizer) a draft shares: `base_model` when the configuration gives
+    one, else from `cut:<model>:L` or the draft's config file."""
+    if base_model:
+        return base_model
     directory = draft_dir(source)
     if directory is None:
         return parse_cut(source)[0]
@@ -108,11 +111,13 @@ def draft_base_source(source: str) -> str:
 
 
 def build_draft(cfg: EngineConfig, target: LoadedModel, profile: dict | None,
-                base: LoadedModel | None = None, kernels: Kernels | None = None) -> SortedDraft:
+                base: LoadedModel | None = None, kernels: Kernels | None = None,
+                base_model: str | None = None) -> SortedDraft:
     """The sorted draft named by cfg.draft (exits from `profile`, see apply_exits), sharing the target's
-    embedding/head when its base is the target; its kernels `kernels` (default: make_kernels(cfg))."""
+    embedding/head when its base is the target; its kernels `kernels` (default: make_kernels(cfg)); `base_model`
+    overrides the base its config records."""
     src = cfg.draft.source
-    base_source = draft_base_source(src)
+    base_source = draft_base_source(src, base_model)
     base = base or _base_for(base_source, cfg, target)
     kernels = kernels if kernels is not None else make_kernels(cfg)
     directory = draft_dir(src)

@@ -15,13 +15,30 @@ MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "co
 
 
 def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
-    """Token ids for one prompt; with `chat`, the tokenizer's chat template with a generation prompt."""
+    """Token ids for one prompt; with `chat`, the tokenizer's chat template with a generation prompt. A plain prompt
+    starts with BOS where the tokenizer's config asks for one (`add_bos_token`, as Llama-2's does): a Llama-2 model
+    fed no BOS continues text it was never trained on. Never EOS (a prompt is continued, not ended)."""
     if not text.strip():
         raise RequestError("prompt is empty")
     if chat:
         return encode_messages(tokenizer, ([{"role": "system", "content": system}] if system else [])
                                + [{"role": "user", "content": text}])
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    bos = tokenizer.bos_token_id
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and ids[:1] != [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
+def override_chat_template(tokenizer, template: str | None) -> None:
+    """Give the tokenizer the configured chat template: a Jinja string, or the path of a file that holds one (for
+    models that ship none, such as Vicuna v1.5, or ship one the operator does not want). None keeps the model's."""
+    if template is None:
+        return
+    path = Path(template).expanduser()
+    if "{" not in template and not path.is_file():
+        raise ConfigError(f"chat_template {template!r} is neither a Jinja template nor a readable file")
+    tokenizer.chat_template = path.read_text() if "{" not in template else template
 
 
 def encode_messages(tokenizer, messages: list[dict]) -> list[int]:

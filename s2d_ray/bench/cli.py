@@ -1,6 +1,6 @@
-"""`s2d bench spec|steps|plan-check|serve|draft-capacity|gpu-check|gpu-profile`: Spec-Bench side by side, per-step
-costs, the fleet model checked, load against a running server, the shared draft's capacity under that load, and the
-prepared GPU measurements."""
+"""`s2d bench spec|steps|plan-check|serve|draft-capacity|gpu-check|gpu-profile|gpu-serve`: Spec-Bench side by side,
+per-step costs, the fleet model checked, load against a running server, the shared draft's capacity under that load,
+and the prepared GPU measurements (the served app on one GPU among them)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
+from .structured import register as register_structured
 
 
 def register(sub) -> None:
@@ -28,6 +29,7 @@ def register(sub) -> None:
     _register_serve(bench)
     _register_draft_capacity(bench)
     _register_gpu(bench)
+    register_structured(bench)
 
 
 def _default_out(kind: str) -> Path:
@@ -299,6 +301,16 @@ def _register_gpu(bench) -> None:
     p.add_argument("--tiny", action="store_true", help="tiny widths: the same code path as a dry run on a CPU")
     p.add_argument("--compile", action="store_true", help="also transformers' static cache, compiled (minutes)")
     p.set_defaults(func=run_gpu_profile)
+    p = bench.add_parser("gpu-serve", help="on one GPU: the Serve app (router on the CPU, a random 7B-shaped target "
+                         "and a draft cut from it on the GPU) under OpenAI load; S2D == AR in float32, tok/s and TTFT "
+                         "in bfloat16 per concurrency")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/gpu-serve-<time>)")
+    p.add_argument("--tiny", action="store_true", help="small shapes on the CPU: the same app as a dry run")
+    p.add_argument("--concurrency", type=INTS, default=None, help="comma list (default 1,2,4,8,16,32; --tiny 1,4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64; --tiny 12)")
+    p.add_argument("--requests", type=int, default=None, help="requests per level and variant (default 32)")
+    p.add_argument("--port", type=int, default=8000, help="Serve's HTTP port on 127.0.0.1")
+    p.set_defaults(func=run_gpu_serve)
 
 
 def run_gpu_check(args: argparse.Namespace) -> int:
@@ -311,6 +323,22 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     res = run(args.out or _default_out("gpu-check"), args.tiny, stages)
     sys.stdout.write(summary(res))
     return 1 if res.get("errors") else 0
+
+
+def run_gpu_serve(args: argparse.Namespace) -> int:
+    from .gpu_serve import GpuServe, failures, markdown, require_gpu, run, tiny_run
+
+    require_gpu(args.tiny)  # before anything starts: one line where there is no GPU
+    out = args.out or _default_out("gpu-serve")
+    cfg = tiny_run(out, args.port) if args.tiny else GpuServe(out=out, port=args.port)
+    given = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "requests": args.requests}
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    result = run(cfg)
+    sys.stdout.write(markdown(result))
+    bad = failures(result)
+    for line in bad:
+        print(f"FAIL {line}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def run_gpu_profile(args: argparse.Namespace) -> int:

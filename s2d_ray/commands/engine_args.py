@@ -1,12 +1,15 @@
-"""The engine flags every engine-building command shares (generate, bench spec/steps, calibrate), defined once, and
-the one comma-list argument type."""
+"""The engine flags every engine-building command shares (generate, bench spec/steps, calibrate), defined once, the
+per-request logits flags (penalties, biases, stop ids, a grammar) and the one comma-list argument type."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Callable, TypeVar, get_args
 
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..errors import RequestError
 from ..hardware import resolve_dtype
 
 T = TypeVar("T")
@@ -89,3 +92,82 @@ def spec_config(args: argparse.Namespace, mode: str) -> SpecConfig:
     """Only what the user gave is set, so a calibration profile can fill in the rest (policy, k, tree shape)."""
     given = {f: getattr(args, f, None) for f in SPEC_FLAGS}
     return SpecConfig(mode=mode, **{f: v for f, v in given.items() if v is not None})
+
+
+def bias_item(text: str) -> tuple[int, float]:
+    """`ID=BIAS` for --logit-bias."""
+    key, sep, value = text.partition("=")
+    try:
+        if sep:
+            return int(key), float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {text!r}")
+
+
+def add_logits_args(p: argparse.ArgumentParser) -> None:
+    """The per-request logits flags: penalties, biases, stop ids and a grammar (the HTTP API's fields)."""
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1: off)")
+    p.add_argument("--logit-bias", type=bias_item, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop token before this many tokens")
+    p.add_argument("--stop-token-ids", type=INTS, default=None, help="more token ids that end a completion")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--bad-words", type=comma_list(str, "words"), default=None, help="words never generated")
+    grammar = p.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                         help="the output is JSON valid against this schema file")
+    grammar.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    grammar.add_argument("--regex", default=None, help="the output matches this regular expression")
+    grammar.add_argument("--grammar", type=Path, default=None, metavar="FILE",
+                         help="the output follows this grammar (llguidance's Lark syntax)")
+
+
+def check_logits_args(args: argparse.Namespace):
+    """The flags' ranges and the grammar (its GrammarSpec, or None), checked before any model loads."""
+    check_range("--frequency-penalty", args.frequency_penalty, -2.0, 2.0)
+    check_range("--presence-penalty", args.presence_penalty, -2.0, 2.0)
+    if not 0.0 < args.repetition_penalty <= 10.0:
+        raise RequestError(f"--repetition-penalty is {args.repetition_penalty}; it must be in (0, 10]")
+    check_range("--min-tokens", args.min_tokens, 0, None)
+    for token, bias in args.logit_bias:
+        check_range(f"--logit-bias {token}", bias, -100.0, 100.0)
+    return grammar_flag(args)
+
+
+def logits_processors(args: argparse.Namespace, tokenizer, prompt_len: int, eos: tuple[int, ...], grammar):
+    """(stop ids, processors) of one sequence from the (checked) flags; token ids are checked here."""
+    from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, request_processors, stop_ids
+
+    vocab = len(tokenizer)
+    stops = stop_ids(eos, args.stop_token_ids, args.ignore_eos, vocab)
+    spec = PenaltySpec(frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                       repetition_penalty=args.repetition_penalty,
+                       logit_bias=bias_pairs({str(i): b for i, b in args.logit_bias}, vocab),
+                       min_tokens=args.min_tokens, bad_words=bad_word_ids(tokenizer, args.bad_words))
+    return stops, request_processors(tokenizer, prompt_len, stops, spec, grammar)
+
+
+def grammar_flag(args: argparse.Namespace):
+    from ..structured import GrammarSpec
+
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(args.json_schema.read_text())
+        except ValueError as exc:
+            raise RequestError(f"--json-schema {args.json_schema}: not JSON ({exc})") from None
+        return GrammarSpec.json_schema(schema, "--json-schema")
+    if args.json_object:
+        return GrammarSpec("json_object", "", "--json-object")
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex, "--regex")
+    if args.grammar is not None:
+        return GrammarSpec("grammar", args.grammar.read_text(), "--grammar")
+    return None
+
+
+def check_range(flag: str, value: float, low: float, high: float | None) -> None:
+    if value < low or (high is not None and value > high):
+        raise RequestError(f"{flag} is {value}; it must be in [{low}, {'inf' if high is None else high}]")

@@ -13,7 +13,7 @@ from ..config import SamplingConfig
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
 from ..prompts import encode_prompt, read_prompt_file
-from .engine_args import add_engine_args, engine_config
+from .engine_args import add_engine_args, add_logits_args, check_logits_args, engine_config, logits_processors
 
 
 def register(sub) -> None:
@@ -32,6 +32,7 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: the target's logprob of each generated token and its top-N alternatives")
+    add_logits_args(p)
     p.set_defaults(func=run)
 
 
@@ -43,6 +44,14 @@ def run(args: argparse.Namespace) -> int:
         return _generate(args, results)
 
 
+def request(args: argparse.Namespace, seq_id: str, ids: list[int], tok, params: SamplingParams,
+            eos: tuple[int, ...], grammar) -> GenerationRequest:
+    """One prompt's request: its own processors (a grammar matcher follows one sequence)."""
+    stops, processors = logits_processors(args, tok, len(ids), eos, grammar)
+    extra = {"processors": processors} if processors else {}
+    return GenerationRequest(seq_id, ids, args.max_new_tokens, params, stops, logprobs=args.logprobs, **extra)
+
+
 def _generate(args: argparse.Namespace, results) -> int:
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be >= 1")
@@ -52,6 +61,7 @@ def _generate(args: argparse.Namespace, results) -> int:
         raise ValueError("--logprobs needs --json and a value >= 0")
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     cfg = engine_config(args)
+    grammar = check_logits_args(args)
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     built = build_engine(cfg)
     tok = built.target.tokenizer
@@ -59,8 +69,7 @@ def _generate(args: argparse.Namespace, results) -> int:
     eos = tuple(i for i in {tok.eos_token_id} if i is not None)
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]
-        reqs = [GenerationRequest(f"p{start + i}", encode_prompt(tok, text, args.chat), args.max_new_tokens, params, eos,
-                                  logprobs=args.logprobs)
+        reqs = [request(args, f"p{start + i}", encode_prompt(tok, text, args.chat), tok, params, eos, grammar)
                 for i, text in enumerate(chunk)]
         for text, res in zip(chunk, built.engine.generate(reqs)):
             out = tok.decode(res.token_ids, skip_special_tokens=True)

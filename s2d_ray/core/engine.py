@@ -10,6 +10,13 @@ A round, for every unfinished sequence at once:
 The drafter and verifier are injected (in-process objects, or deployment clients behind the same calls), and plain
 decoding is the same loop with no drafter. The round is written once (`SpecEngine._round`) and run by a synchronous
 driver (`step`) or an asynchronous one (`step_async`, whose calls may answer awaitables).
+
+Logits processors (a request's penalties, biases, bans or grammar; core/processors.py): between propose and verify
+the engine drops the deterministic candidates they ban (`prune`), a row with processors asks the verifier for full
+logits (its own argmax or plain steps would skip them), and in commit every target row is processed with its own
+history (committed + the draft tokens or tree ancestors before it) before acceptance. Greedy output then equals plain
+decoding with the same processors and sampling follows the processed distribution; logprobs come from the processed
+rows (the distribution tokens were chosen from). A request without processors takes none of these paths.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from .calls import Calls, drive, drive_async
 from .draft import Drafter
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .policy import DraftLengthPolicy, HeuristicK
+from .processors import LogitsProcessor, process_rows, prune_banned
 from .sampling import Sampler, rejection_sample, round_generator
 from .steps import stepped_scores
 from .target import Verifier
@@ -43,6 +51,8 @@ class GenerationRequest:
     logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top-n (core/logprobs.py)
     prompt_logprobs: bool = False  # score the prompt in the first round (top-n as `logprobs`)
     speculate: bool = True  # False: plain target steps for this sequence (no draft, no lookup), the per-request opt-out
+    # Applied to every target row with that row's own history (core/processors.py): penalties, biases, bans, grammar.
+    processors: tuple[LogitsProcessor, ...] = ()
 
 
 @dataclass
@@ -111,6 +121,7 @@ class SpecEngine:
         self.max_context = max_context
         self.detokenize = detokenize
         self.seqs: dict[str, _Sequence] = {}
+        self.vocab: int | None = None  # the target's logit width, learnt from its first full rows (probing needs it)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> None:
@@ -170,7 +181,7 @@ class SpecEngine:
         drafts = self.plan(live)
         t0 = time.perf_counter()
         drafted = yield from self._propose(drafts)
-        proposals = self.shape_trees(live, drafted)
+        proposals = self.shape_trees(live, self.prune(live, drafted))
         t1 = time.perf_counter()
         requests = self.score_requests(drafts, proposals)
         logits = yield from stepped_scores(self.verifier.score, requests)
@@ -237,6 +248,14 @@ class SpecEngine:
             out[i] = p
         return out
 
+    def prune(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
+        """Between propose and verify: drop the deterministic candidates a row's processors ban (core/processors.py),
+        so they take no verification slot; rows without processors are passed through untouched."""
+        if self.vocab is None or not any(seq.req.processors for seq in live):
+            return proposals  # the width is learnt from a full row, which every row with processors asks for
+        return [prune_banned(seq.req.processors, seq.tokens, p, self.vocab) if seq.req.processors else p
+                for seq, p in zip(live, proposals)]
+
     def shape_trees(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
         """Between propose and verify: keep each tree's most likely nodes, as many as the modelled cost pays for
         (the same count for every row), never deeper than the sequence can still use."""
@@ -266,8 +285,9 @@ class SpecEngine:
             seq = self.seqs.get(d.seq_id)
             if self._wants_prompt_rows(seq):
                 n += len(d.tokens) - 1
+            # A row with processors needs its full rows: the verifier's own argmax would skip them.
             argmax_only = seq is not None and seq.req.params.greedy and seq.req.logprobs is None and \
-                not seq.req.prompt_logprobs
+                not seq.req.prompt_logprobs and not seq.req.processors
             steps = 1
             if plain and argmax_only and not self._wants_prompt_rows(seq):
                 steps = 1 + min(self.plain_steps - 1, max(self._remaining(seq), 0))
@@ -290,6 +310,10 @@ class SpecEngine:
             first_round = self._wants_prompt_rows(seq)
             if first_round:
                 p_logits = self._take_prompt_rows(seq, p_logits)
+            if p_logits.dim() == 2:
+                self.vocab = p_logits.shape[-1]
+                if seq.req.processors:  # every row with its own history, before acceptance and logprobs
+                    p_logits = process_rows(seq.req.processors, seq.tokens, prop, p_logits)
             gen = round_generator(seq.req.params.seed, len(seq.tokens), "accept")
             path = None  # accepted tree nodes (tree rounds only)
             if prop.is_tree and prop.tokens:

@@ -6,7 +6,10 @@ Which distribution (as vLLM documents its choice):
   the filter are -inf (the HTTP layer clamps them to -9999.0, as vLLM does).
 - greedy (temperature 0): the raw model distribution, log_softmax of the logits (the sampler's one-hot would say
   0 / -inf and nothing else). This is vLLM's default (`logprobs_mode="raw_logprobs"`).
-Prompt tokens use the same rule as the completion's tokens of that request.
+A request's logits processors (penalties, logit_bias, bans, a grammar: core/processors.py) come first: a completion
+token's logprob is taken from its row AFTER processing, the distribution it was chosen from (a banned alternative is
+-inf). Prompt tokens use the same rule as the completion's tokens of that request, on the raw rows (processors shape
+what is generated, not how the prompt scores).
 Since speculation is lossless and every emitted token was chosen from a target row, the values are the target's
 whether speculation is on or off; no extra forward is needed.
 """

@@ -130,6 +130,14 @@ def node_depths(parents: list[int]) -> list[int]:
     return d
 
 
+def node_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Each node's tokens from the root down, the node's own last (what a row after the node has seen)."""
+    paths: list[list[int]] = []
+    for tok, p in zip(tokens, parents):
+        paths.append((paths[p] if p >= 0 else []) + [tok])
+    return paths
+
+
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[n, n] bool: entry (i, j) is True when node j is node i or one of its ancestors (what node i attends to)."""
     n = len(parents)

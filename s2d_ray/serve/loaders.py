@@ -8,12 +8,17 @@ from pathlib import Path
 from ..models import canonical_source, resolve_model_dir
 
 
-def load_tokenizer(source: str, cache_dir: str | None, trust_remote_code: bool):
-    """A source's tokenizer without its weights (the router needs text <-> ids only)."""
+def load_tokenizer(source: str, cache_dir: str | None, trust_remote_code: bool, chat_template: str | None = None):
+    """A source's tokenizer without its weights (the router needs text <-> ids only), with the configured chat
+    template (`targets[].chat_template`) over its own."""
     from transformers import AutoTokenizer
 
+    from ..prompts import override_chat_template
+
     path = resolve_model_dir(canonical_source(source), Path(cache_dir) if cache_dir else None)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    override_chat_template(tokenizer, chat_template)
+    return tokenizer
 
 
 def model_context(source: str, cache_dir: str | None) -> int | None:

@@ -1,13 +1,16 @@
 """Request and response shapes: the OpenAI-compatible HTTP API and the pydantic request of the Python handle API.
 
-Requests are validated strictly (a string where a number belongs is a 400, not silently coerced); unknown fields
-that OpenAI clients commonly send are ignored, unsupported values of known ones (best_of > n) are refused.
+Requests are validated strictly (a string where a number belongs is a 400, not silently coerced); nothing is silently
+ignored: fields without effect here are listed (request_fields.IGNORED), fields OpenAI or vLLM define that this server
+does not implement are refused by name (request_fields.UNSUPPORTED), unknown fields too.
 One OpenAI request fans out into one GenerateRequest per choice: per prompt of a batch, `n` samples (choice index
 prompt_index * n + i); sample i uses seed + i when a seed is given (as vLLM), so every choice is reproducible.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
@@ -16,8 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..core.logprobs import TokenLogprob
 from ..errors import RequestError
+from ..structured import parse_tool_call
+from ..structured.tools import wire_call
+from .request_fields import (
+    ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice, effective_tool_choice, refuse_unsupported,
+)
 
 MAX_STOP_STRINGS = 4
+TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id as a decimal string
 MIN_LOGPROB = -9999.0  # -inf (tokens past top-k / top-p) is not JSON; vLLM clamps to the same value
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: the HTTP API behaves as OpenAI clients expect
 HANDLE_TEMPERATURE = 0.0  # the handle API's default: greedy, the deterministic output programs compare
@@ -42,6 +51,41 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(None, description="Strings that end the completion (not returned).")
     speculate: bool = Field(True, description="false: plain target decoding for this request, no draft or lookup "
                             "(not in OpenAI's API; the output is the same, only its speed differs).")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract count x this from the logit of "
+                                     "each token generated so far (OpenAI's formula).")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract this from the logit of each token "
+                                    "generated so far (OpenAI's formula).")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's: over prompt + output tokens, a "
+                                      "positive logit is divided by it, a negative one multiplied.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
+                                                "added to its logit.")
+    min_tokens: int = Field(0, ge=0, description="Stop tokens are banned until this many tokens were generated "
+                            "(vLLM's).")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the completion, besides EOS "
+                                             "(vLLM's).")
+    ignore_eos: bool = Field(False, description="Do not stop at EOS (vLLM's); stop_token_ids still stop.")
+    bad_words: list[str] | None = Field(None, description="Strings never generated (vLLM's): each one's token "
+                                        "sequence is banned, with and without a leading space.")
+    response_format: ResponseFormat | None = Field(None, description="OpenAI's: text, json_object, or json_schema "
+                                                   "(the output always validates: decoding is constrained).")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's extension: the output matches "
+                                                         "one of json (a schema), regex, choice or grammar (Lark).")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, value):
+        """The handle API may give integer keys; JSON always has strings."""
+        return {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"keys are token ids as strings; got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {key} is {bias}; biases are in [-100, 100]")
+        return value
 
     @property
     def stop_list(self) -> list[str]:
@@ -54,38 +98,69 @@ class SamplingFields(BaseModel):
         return {**{name: getattr(self, name) for name in SamplingFields.model_fields}, "stop": self.stop_list}
 
 
-LENIENT = ConfigDict(extra="ignore", strict=True)  # OpenAI shapes: strict types, unknown fields ignored
+STRICT = ConfigDict(extra="forbid", strict=True)  # OpenAI shapes: strict types, unknown fields refused by name
 
 
 class TextPart(BaseModel):
-    model_config = LENIENT
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = LENIENT
+    """One message; an assistant's earlier tool calls and the tools' answers (role tool) render as text in the
+    format the model was shown (structured/tools.py)."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    model_config = STRICT
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        body = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        for call in self.tool_calls or []:
+            body += wire_call(call.function.name, call.function.arguments)
+        return body
+
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
 
 class OpenAIFields(SamplingFields):
     """What both OpenAI requests add to the sampling fields: choices, streaming, OpenAI's limits. Validated strictly
     (a string where a number belongs is a 400); unknown fields are ignored (OpenAI clients send many)."""
 
-    model_config = LENIENT
+    model_config = STRICT
 
     n: int = Field(1, ge=1, description="Independent samples per prompt (bounded by limits.max_choices).")
     stream: bool = Field(False, description="Server-sent events, one chunk per round.")
-    user: str | None = Field(None, description="Ignored (OpenAI compatibility).")
+    user: str | None = Field(None, description="Accepted without effect (request_fields.IGNORED).")
+    metadata: dict[str, Any] | None = Field(None, description="Accepted without effect.")
+    store: bool | None = Field(None, description="Accepted without effect: nothing is stored.")
+    service_tier: str | None = Field(None, description="Accepted without effect: one tier.")
+    prompt_cache_key: str | None = Field(None, description="Accepted without effect.")
+    safety_identifier: str | None = Field(None, description="Accepted without effect.")
+    stream_options: dict[str, Any] | None = Field(None, description="Accepted: usage is always on the last chunk.")
+    request_id: str | None = Field(None, description="Accepted without effect (responses carry their own id).")
     return_token_ids: bool = Field(False, description="Each choice (each stream chunk) also carries the ids of "
                                    "the tokens it generated, `token_ids` (as vLLM's): exact comparisons need no "
                                    "re-encoding of text.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data)
 
     @model_validator(mode="after")
     def _stops(self) -> "OpenAIFields":
@@ -143,6 +218,11 @@ class ChatCompletionRequest(OpenAIFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (newer OpenAI clients).")
     logprobs: bool | None = Field(None, description="Return the logprob of each generated token.")
     top_logprobs: int | None = Field(None, ge=0, description="Also the top-n alternatives (needs logprobs: true).")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call (constrained decoding).")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (default with tools), required, or "
+                                           "{type: function, function: {name}}.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted: a response makes at most one call, which "
+                                             "either value allows.")
 
     @field_validator("max_tokens")
     @classmethod
@@ -161,6 +241,7 @@ class ChatCompletionRequest(OpenAIFields):
         fields = self.sampling()
         fields["max_tokens"] = self.max_tokens or self.max_completion_tokens
         fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        fields["tools"], fields["tool_choice"] = self.tools, self.tool_choice
         return self.fan_out([{"messages": self.messages}], fields, max_choices)
 
 
@@ -176,13 +257,22 @@ class GenerateRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, description="Target logprob of each generated token plus the top-n "
                                  "alternatives (0: none); off when unset.")
     prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call (with messages).")
+    tool_choice: ToolChoice | None = Field(None, description="As OpenAI's chat tool_choice.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
         given = [x for x in (self.prompt, self.messages, self.prompt_token_ids) if x is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of prompt, messages, prompt_token_ids")
+        if self.tools and self.messages is None:
+            raise ValueError("tools need messages (the chat template)")
         return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """"auto", "required" or a function's name while tools constrain the output, else None."""
+        return effective_tool_choice(self.tools, self.tool_choice)
 
 
 class Usage(BaseModel):
@@ -244,10 +334,11 @@ class ChoiceView:
     """
 
     def __init__(self, ids: ResponseIds, index: int, token_text: Callable[[int], str], logprobs: bool,
-                 echo_text: str | None = None, token_ids: bool = False) -> None:
+                 echo_text: str | None = None, token_ids: bool = False, tool_mode: str | None = None) -> None:
         self.ids, self.index, self.token_text = ids, index, token_text
         self.want_logprobs, self.echo_text, self.want_token_ids = logprobs, echo_text, token_ids
         self.offset = 0
+        self.tool_mode, self.streamed, self.call_id = tool_mode, "", "call_" + uuid.uuid4().hex[:24]
 
     def choice(self, part: GenerateChunk | GenerateResponse, chunk: bool, first: bool) -> dict:
         text, lp = part.text, None
@@ -263,11 +354,38 @@ class ChoiceView:
         extra = {"token_ids": list(part.token_ids)} if self.want_token_ids else {}
         if not self.ids.chat:
             return {"index": self.index, "text": text, "finish_reason": reason, "logprobs": lp, **extra}
+        if self.tool_mode is not None:
+            return self._tool_choice(text, reason, chunk, first, {"logprobs": lp, **extra})
         if chunk:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             return {"index": self.index, "delta": delta, "finish_reason": reason, "logprobs": lp, **extra}
         return {"index": self.index, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                 "logprobs": lp, **extra}
+
+    def _tool_choice(self, text: str, reason: str | None, chunk: bool, first: bool, extra: dict) -> dict:
+        """A chat choice under tools: `tool_calls` (finish_reason tool_calls) or, with auto, plain content. A named
+        function's arguments stream as they are generated (OpenAI's delta.tool_calls); auto and required output is
+        a call only once complete, so it comes whole in the last chunk."""
+        self.streamed += text
+        named = self.tool_mode not in ("auto", "required")
+        if chunk and named:
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call = {"index": 0, "id": self.call_id, "type": "function",
+                        "function": {"name": self.tool_mode, "arguments": text}}
+            delta = {"role": "assistant", "content": None} if first else {}
+            reason = "tool_calls" if reason == "stop" else reason
+            return {"index": self.index, "delta": {**delta, "tool_calls": [call]}, "finish_reason": reason, **extra}
+        message: dict = {"role": "assistant"} if first else {}
+        if reason is not None or not chunk:
+            content, calls = parse_tool_call(self.streamed, self.tool_mode)
+            message["content"] = content
+            if calls:
+                calls[0]["id"] = self.call_id
+                message["tool_calls"] = [{"index": 0, **calls[0]}] if chunk else calls
+                reason = "tool_calls" if reason == "stop" else reason
+        key = "delta" if chunk else "message"
+        return {"index": self.index, key: message, "finish_reason": reason, **extra}
 
     def _completion_logprobs(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         strs = [self.token_text(t) for t in tokens]

@@ -9,8 +9,11 @@ from ..core.engine import GenerationRequest
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
 from ..prompts import encode_messages, encode_prompt
+from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, request_processors, stop_ids
+from ..structured.tools import tool_prompt
 from .app_config import Limits
 from .openai_protocol import GenerateRequest
+from .request_fields import grammar_of, tool_specs
 
 
 @dataclass
@@ -39,7 +42,15 @@ def encode(info: ModelInfo, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         if not any(m.text().strip() for m in req.messages):
             raise RequestError("messages are empty")
-        return encode_messages(tok, [{"role": m.role, "content": m.text()} for m in req.messages])
+        messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
+        mode = req.tool_mode
+        if mode is not None:  # the tools, shown in the system message (the grammar enforces the call's format)
+            tools = tool_prompt(tool_specs(req.tools), mode)
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools}
+            else:
+                messages.insert(0, {"role": "system", "content": tools})
+        return encode_messages(tok, messages)
     return encode_prompt(tok, req.prompt or "", chat=False)
 
 
@@ -64,8 +75,25 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     # of every sequence on the target); the limit t -> 0 is greedy, so decode greedily (as vLLM does).
     temperature = req.temperature if req.temperature >= GREEDY_TEMPERATURE else 0.0
     params = SamplingParams(temperature=temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
-    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, info.eos_ids, tuple(req.stop_list),
-                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate)
+    if req.min_tokens > max_tokens:
+        raise RequestError(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    stops = stop_ids(info.eos_ids, req.stop_token_ids, req.ignore_eos, len(info.tokenizer))
+    processors = build_processors(info, req, len(ids), stops)
+    extra = {"processors": processors} if processors else {}
+    return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, stops, tuple(req.stop_list),
+                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate,
+                             **extra)
+
+
+def build_processors(info: ModelInfo, req: GenerateRequest, prompt_len: int, stops: tuple[int, ...]) -> tuple:
+    """Penalties, biases, bans and the grammar of one request (empty when it asks for none), its fields checked."""
+    vocab = len(info.tokenizer)
+    penalties = PenaltySpec(
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty, logit_bias=bias_pairs(req.logit_bias, vocab),
+        min_tokens=req.min_tokens, bad_words=bad_word_ids(info.tokenizer, req.bad_words))
+    grammar = grammar_of(req.response_format, req.structured_outputs, req.tools, req.tool_choice)
+    return request_processors(info.tokenizer, prompt_len, stops, penalties, grammar)
 
 
 def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:

@@ -4,6 +4,7 @@ replica's device, and cutting batched results back into per-call lists."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -147,9 +148,59 @@ def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tu
     logprobs; the ids of every step for a row asking `steps > 1`), else the logits; run on the model thread."""
     recomputed = recomputed_tokens(verifier.table, requests, expected)
     logits = score_steps(verifier.score, requests)
-    # Each tensor pickles alone, not the whole batch's storage (argmax makes a new one; logits are cloned).
-    return [(x if r.steps > 1 else compact_scores(x, r.argmax_only)).clone() for x, r in zip(logits, requests)], \
+    # Each tensor pickles alone, not the whole batch's storage: host_copy always copies.
+    return [host_copy(x if r.steps > 1 else compact_scores(x, r.argmax_only)) for x, r in zip(logits, requests)], \
         recomputed
+
+
+def host_copy(x: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `x` of its own storage: what crosses a deployment boundary. The router and a TP replica hold no
+    GPU (Ray hides it from actors with num_gpus 0), so a CUDA tensor would fail to unpickle there."""
+    return x.detach().to("cpu", copy=True)
+
+
+def to_host(value: Any) -> Any:
+    """`value` with every tensor in it (lists, tuples, dicts, dataclasses such as a Proposal's q) on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else host_copy(value)
+    if isinstance(value, list):
+        return [to_host(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(to_host(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved = {f.name: to_host(getattr(value, f.name)) for f in dataclasses.fields(value)
+                 if isinstance(getattr(value, f.name), (torch.Tensor, list, tuple, dict))}
+        return dataclasses.replace(value, **moved) if moved else value
+    return value
+
+
+def off_host(value: Any, where: str = "") -> list[str]:
+    """Where in `value` a tensor is not on the CPU (empty: safe to ship); the deployment-boundary check tests use."""
+    if isinstance(value, torch.Tensor):
+        return [] if value.device.type == "cpu" else [f"{where or 'value'} on {value.device}"]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in off_host(v, f"{where}[{i}]")]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in off_host(v, f"{where}[{k!r}]")]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [p for f in dataclasses.fields(value) for p in off_host(getattr(value, f.name), f"{where}.{f.name}")]
+    return []
+
+
+def device_report(model: torch.nn.Module | None) -> dict[str, Any]:
+    """Where a process's model runs and in which dtype, for /health: `cpu`, or `cuda:0 (<GPU name>)` with the
+    process's peak and reserved device memory."""
+    if model is None:
+        return {"device": "cpu", "dtype": None}
+    param = next(model.parameters())
+    out: dict = {"device": str(param.device), "dtype": str(param.dtype).removeprefix("torch.")}
+    if param.device.type == "cuda":
+        out["device"] += f" ({torch.cuda.get_device_name(param.device)})"
+        out["device_memory_peak_bytes"] = torch.cuda.max_memory_allocated(param.device)
+        out["device_memory_reserved_bytes"] = torch.cuda.memory_reserved(param.device)
+    return out
 
 
 def replica_id() -> str:

@@ -42,7 +42,7 @@ from .openai_protocol import (
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
-from .replica import InProcessHandle, process_model_thread, replica_id
+from .replica import InProcessHandle, device_report, process_model_thread, replica_id
 from .round_timing import CallTimes
 from .scheduler import TargetScheduler
 
@@ -108,7 +108,8 @@ class Router:
         self.replica = replica_id()
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
         if cfg.uses_draft:
-            base = load_tokenizer(draft_base_source(cfg.draft.source), cfg.cache_dir, cfg.trust_remote_code)
+            base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
+                                  cfg.trust_remote_code)
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
@@ -117,7 +118,7 @@ class Router:
 
     def _model_info(self, name: str) -> ModelInfo:
         spec = self.cfg.target(name)
-        tok = load_tokenizer(spec.resolved_source, self.cfg.cache_dir, self.cfg.trust_remote_code)
+        tok = load_tokenizer(spec.resolved_source, self.cfg.cache_dir, self.cfg.trust_remote_code, spec.chat_template)
         ctx = (spec.max_context or model_context(spec.resolved_source, self.cfg.cache_dir)
                or self.cfg.limits.max_total_tokens)
         eos = tuple(i for i in {tok.eos_token_id} if i is not None)
@@ -179,7 +180,7 @@ class Router:
 
     async def stats(self) -> dict:
         """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
-        out: dict = {"router": self.replica, "targets": {}}
+        out: dict = {"router": self.replica, "targets": {}, **device_report(None)}  # rounds' sampling: CPU
         # Every deployment is asked at once: one dead replica costs its own bounded wait, not the sum of all of them.
         # The router's own counts are read before the calls: the deployments answer at once too, so the snapshot is
         # of one moment, not of the slowest deployment's answer (a request could finish in between).
@@ -289,7 +290,7 @@ class Router:
             # Token ids are checked (a 400) before they are decoded: the tokenizer fails on ids outside its vocabulary.
             echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(encode(info, greq))
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
-                          oreq.return_token_ids)
+                          oreq.return_token_ids, greq.tool_mode)
 
     async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
                    streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:

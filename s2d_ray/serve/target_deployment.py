@@ -14,9 +14,10 @@ from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..gc_pauses import gc_pauses
-from .app_config import AppConfig
+from ..models.capacity import device_memory_bytes
+from .app_config import AppConfig, TargetSpec
 from .replica import (
-    Counted, IdleSequences, InProcessHandle, chunks, process_model_thread, release_all, replica_id,
+    Counted, IdleSequences, InProcessHandle, chunks, device_report, process_model_thread, release_all, replica_id,
     return_freed_memory, score_counted, split_like, target_window,
 )
 from .tp import TPGroup
@@ -61,10 +62,23 @@ class LocalTarget:
         cache = self.verifier.cache
         return {"tp_size": 1, "num_evicted": table.num_evicted, "num_forked_tokens": table.num_forked_tokens,
                 "cache_bytes": cache.nbytes(), "num_passes": cache.num_passes,
-                "num_gathered_passes": cache.num_gathered, "kernels": self.verifier.stack.kernels()}
+                "num_gathered_passes": cache.num_gathered, "kernels": self.verifier.stack.kernels(),
+                **device_report(self.verifier.model)}
 
     def close(self) -> None:
         """Nothing to stop: the model thread is the process's (it ends with the process)."""
+
+
+def sized_rows(spec: TargetSpec, model: torch.nn.Module, max_slots: int) -> int:
+    """KV rows this process keeps for the target: with `memory_fraction`, what fits in that share of its device's
+    memory after the weights it holds (measured, logged); else max_live_sequences. Raises when not one row fits."""
+    if spec.memory_fraction is None:
+        return spec.max_live_sequences
+    device = next(model.parameters()).device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    capacity = spec.capacity(model.config.to_dict(), max_slots, device_memory_bytes(str(device)), weights)
+    logger.info("target %s on %s: KV sized from memory: %s", spec.name, device, capacity.describe())
+    return capacity.rows
 
 
 @serve.deployment
@@ -74,13 +88,15 @@ class TargetDeployment:
         spec, ecfg = cfg.target(name), cfg.engine_config(name)
         set_threads(cfg.num_threads)
         self.name = name
-        self.max_rows, max_slots = spec.max_live_sequences, target_window(cfg, name)
+        max_slots = target_window(cfg, name)
         if spec.tp_size > 1:
             self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s, max_slots)
+            self.max_rows = self.backend.max_rows
         else:
             model = load_target(ecfg).model
             verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads,
                                       kernels=make_kernels(ecfg))
+            self.max_rows = sized_rows(spec, model, max_slots)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)

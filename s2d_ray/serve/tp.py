@@ -1,8 +1,11 @@
-"""Tensor-parallel targets: N Ray actors in the replica's placement group form one DeepSpeed AutoTP world.
+"""Tensor-parallel targets: N Ray actors in the replica's placement group form one tensor-parallel world.
 
-Every score call goes to ALL ranks with identical inputs (collectives need lockstep); rank 0's logits are the answer.
-Every wait is bounded: a dead or stuck rank makes the group `broken` (calls fail fast, check_health fails, Serve
-replaces the replica, and the new group forms on a fresh port) instead of hanging a request.
+Each rank builds the model on the meta device and reads only its shard of a safetensors checkpoint
+(`models/shards.py`, AutoTP's split; sums through DeepSpeed's inference all-reduce); other checkpoints load whole and
+DeepSpeed AutoTP keeps each rank's shard. Every score call goes to ALL ranks with identical inputs (collectives need
+lockstep); rank 0's logits are the answer. Every wait is bounded: a dead or stuck rank, or a failed collective, makes
+the group `broken` (calls fail fast, check_health fails, Serve replaces the replica, and the new group forms on a
+fresh port) instead of hanging a request. A request every rank refuses alike (before any collective) fails alone.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -23,15 +27,38 @@ from ..config import EngineConfig
 from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
-from ..errors import S2DError
+from ..errors import ServiceUnavailableError
+from ..models import canonical_source, resolve_model_dir
+from ..models.shards import checkpoint_files, load_sharded, peak_rss_bytes, reset_peak_rss
 from .app_config import TargetSpec
-from .replica import process_model_thread, release_all, return_freed_memory, score_counted
+from .replica import device_report, process_model_thread, release_all, return_freed_memory, score_counted
 
 logger = logging.getLogger(__name__)
 
 
-class TPGroupError(S2DError):
+class TPGroupError(ServiceUnavailableError):
     """The tensor-parallel group failed (a rank died, timed out or never formed): maps to HTTP 503."""
+
+
+class TPRequestError(ServiceUnavailableError):
+    """Every rank refused one call alike (a bad request, not a broken group): that call fails, the group stays."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """A rank's answer when its call raised: `collective` when a collective failed (the group is then broken)."""
+
+    rank: int
+    error: str
+    collective: bool
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether an exception came from the process group (a peer died or a collective failed), not from the request."""
+    import torch.distributed as dist
+
+    text = str(exc).lower()
+    return isinstance(exc, (dist.DistError, TimeoutError)) or "gloo" in text or "nccl" in text
 
 
 def free_port() -> int:
@@ -49,12 +76,36 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
             "LOCAL_RANK": "0" if one_visible_gpu else str(rank), "LOCAL_SIZE": str(world_size)}
 
 
+def score_or_failure(rank: int, verifier: TargetVerifier, requests: list[ScoreRequest],
+                     expected: list[int]) -> tuple | RankFailure | None:
+    """One rank's part of a score call: rank 0's answer (None on the others), or the failure as a value, so the
+    group tells a request every rank refused (it stays up) from a failed collective (it is replaced)."""
+    try:
+        out = score_counted(verifier, requests, expected)
+    except Exception as exc:
+        logger.warning("TP rank %d: score failed: %s: %s", rank, type(exc).__name__, exc)
+        return RankFailure(rank, f"{type(exc).__name__}: {exc}", is_collective_failure(exc))
+    return out if rank == 0 else None  # only rank 0 ships logits
+
+
+def group_answers(method: str, answers: list) -> list:
+    """The ranks' answers when none failed. Raises TPRequestError when every rank refused the call alike (the group
+    is intact), TPGroupError when ranks disagree or a collective failed (the group must be replaced)."""
+    failures = [a for a in answers if isinstance(a, RankFailure)]
+    if not failures:
+        return answers
+    if len(failures) < len(answers) or any(f.collective for f in failures):
+        raise TPGroupError("; ".join(f"rank {f.rank}: {f.error}" for f in failures))
+    raise TPRequestError(f"every TP rank refused the {method} call: {failures[0].error}")
+
+
 @ray.remote
 class TPWorker:
     """One rank: loads the target, lets DeepSpeed AutoTP shard its Linear layers, scores with a TargetVerifier."""
 
-    def __init__(self, rank: int, world_size: int, port: int, ecfg: EngineConfig) -> None:
-        self.rank, self.world_size, self.ecfg = rank, world_size, ecfg
+    def __init__(self, rank: int, world_size: int, port: int, ecfg: EngineConfig,
+                 spec: TargetSpec | None = None) -> None:
+        self.rank, self.world_size, self.ecfg, self.spec = rank, world_size, ecfg, spec
         os.environ.update(rank_env(rank, world_size, port))
         set_threads(ecfg.num_threads)
         self.thread = process_model_thread(ecfg.num_threads)
@@ -67,21 +118,48 @@ class TPWorker:
         import deepspeed  # heavy; only TP workers need it
         import torch.distributed as dist
 
-        loaded = load_target(self.ecfg, device="cpu")  # DeepSpeed moves each rank's shard to its GPU
-        engine = deepspeed.init_inference(
-            loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=DTYPES[self.ecfg.target.dtype],
-            replace_with_kernel_inject=False,
-        )
-        self.verifier = TargetVerifier(engine.module, cuda_graphs=False,  # all-reduces inside: not captured
+        deepspeed.init_distributed(verbose=False)
+        reset_peak_rss()  # the peak reported is loading's
+        model, loading = self._load()
+        self.verifier = TargetVerifier(model, cuda_graphs=False,  # all-reduces inside: not captured
                                        kernels=make_kernels(self.ecfg))
-        limit_rows(self.verifier, max_rows, max_slots)
-        # Every rank loaded the whole model and keeps its shard: the rest, freed, goes back to the OS.
-        return {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid(),
-                "returned_bytes": return_freed_memory()}
+        rows = self.spec_rows(model, max_rows, max_slots)
+        limit_rows(self.verifier, rows, max_slots)
+        returned = return_freed_memory()
+        info = {"rank": self.rank, "backend": dist.get_backend(), "pid": os.getpid(), "loading": loading,
+                "peak_rss_bytes": peak_rss_bytes(), "returned_bytes": returned, "max_rows": rows,
+                **device_report(model)}
+        logger.info("TP rank %d/%d ready: %s loading, peak host memory %.0f MiB", self.rank, self.world_size,
+                    loading, info["peak_rss_bytes"] / 2**20)
+        return info
 
-    async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list, list[int]] | None:
-        out = await self.thread.run(score_counted, self.verifier, requests, expected)
-        return out if self.rank == 0 else None  # only rank 0 ships logits
+    def _load(self) -> tuple[torch.nn.Module, str]:
+        """The rank's shard: read as a shard from safetensors (`shard`), else the whole model loaded and cut by
+        DeepSpeed AutoTP (`whole`)."""
+        import deepspeed
+        import deepspeed.comm as ds_comm
+
+        dtype = DTYPES[self.ecfg.target.dtype]
+        cache = Path(self.ecfg.cache_dir) if self.ecfg.cache_dir else None
+        directory = resolve_model_dir(canonical_source(self.ecfg.target.resolved_source), cache)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if checkpoint_files(directory):
+            model = load_sharded(directory, self.rank, self.world_size, dtype, ds_comm.inference_all_reduce,
+                                 self.ecfg.trust_remote_code)
+            return model.to(device), "shard"
+        loaded = load_target(self.ecfg, device="cpu")  # DeepSpeed moves each rank's shard to its GPU
+        engine = deepspeed.init_inference(loaded.model, tensor_parallel={"tp_size": self.world_size}, dtype=dtype,
+                                          replace_with_kernel_inject=False)
+        return engine.module, "whole"
+
+    def spec_rows(self, model: torch.nn.Module, max_rows: int, max_slots: int) -> int:
+        """KV rows this rank keeps: sized from its device's memory when the target sets memory_fraction."""
+        from .target_deployment import sized_rows
+
+        return sized_rows(self.spec, model, max_slots) if self.spec is not None else max_rows
+
+    async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple | RankFailure | None:
+        return await self.thread.run(score_or_failure, self.rank, self.verifier, requests, expected)
 
     async def release(self, seq_ids: list[str]) -> None:
         await self.thread.run(release_all, self.verifier, seq_ids)
@@ -111,7 +189,7 @@ class TPGroup:
             if pg is not None:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank + 1)
-            self.workers.append(TPWorker.options(**opts).remote(rank, spec.tp_size, self.port, ecfg))
+            self.workers.append(TPWorker.options(**opts).remote(rank, spec.tp_size, self.port, ecfg, spec))
         try:
             infos = ray.get([w.setup.remote(spec.max_live_sequences, max_slots) for w in self.workers],
                             timeout=spec.tp_init_timeout_s)
@@ -120,19 +198,29 @@ class TPGroup:
             raise TPGroupError(f"TP group for {spec.name} did not form within {spec.tp_init_timeout_s:.0f} s "
                                f"({type(exc).__name__}: {exc})") from exc
         self.ranks = infos
+        self.max_rows = min(info["max_rows"] for info in infos)
         logger.info("TP group %s formed: %d ranks on port %d, backend %s", spec.name, self.size, self.port,
                     infos[0]["backend"])
 
     async def _all(self, method: str, *args, timeout: float | None = None) -> list:
+        """Every rank's answer. A rank that died or timed out, a failed collective, or ranks that disagree on
+        whether a call failed break the group; a call every rank refused alike only fails itself."""
         if self.broken:
             raise TPGroupError(f"TP group is broken ({self.broken}); the replica is being replaced")
         refs = [getattr(w, method).remote(*args) for w in self.workers]
         try:
-            return await asyncio.wait_for(asyncio.gather(*refs), timeout or self.call_timeout_s)
+            answers = await asyncio.wait_for(asyncio.gather(*refs), timeout or self.call_timeout_s)
         except Exception as exc:
-            self.broken = f"{method}: {type(exc).__name__}: {exc}"
-            logger.error("TP group broken: %s", self.broken)
-            raise TPGroupError(f"TP group failed during {method} ({type(exc).__name__})") from exc
+            raise self._break(method, f"{type(exc).__name__}: {exc}") from exc
+        try:
+            return group_answers(method, answers)
+        except TPGroupError as exc:
+            raise self._break(method, str(exc)) from exc
+
+    def _break(self, method: str, why: str) -> TPGroupError:
+        self.broken = f"{method}: {why}"
+        logger.error("TP group broken: %s", self.broken)
+        return TPGroupError(f"TP group failed during {method} ({why.split(':')[0]})")
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         return (await self._all("score", requests, expected))[0]
@@ -148,7 +236,8 @@ class TPGroup:
         await self._all("ping", timeout=min(self.call_timeout_s, 10.0))
 
     def describe(self) -> dict:
-        return {"tp_size": self.size, "port": self.port, "ranks": self.ranks, "broken": self.broken}
+        return {"tp_size": self.size, "port": self.port, "ranks": self.ranks, "broken": self.broken,
+                "device": self.ranks[0]["device"], "dtype": self.ranks[0]["dtype"]}
 
     def close(self) -> None:
         for w in self.workers:

@@ -33,6 +33,8 @@ def test_tp_target_gives_the_same_tokens_as_tp1(tiny_app, ref32):
     assert stats["tp_size"] == 2 and len(stats["ranks"]) == 2
     assert len({r["pid"] for r in stats["ranks"]}) == 2  # two processes, one torch.distributed world
     assert stats["ranks"][0]["backend"] == "gloo"
+    assert all(r["loading"] == "shard" and r["peak_rss_bytes"] > 0 for r in stats["ranks"])  # models/shards.py
+    assert (stats["device"], stats["dtype"]) == ("cpu", "float32")
     for prompt in ("What is the capital of France?", "def add(a, b):"):
         resp = tiny_app.handle.generate.remote(GenerateRequest(model="tiny-tp", prompt=prompt, max_tokens=24)).result()
         assert resp.token_ids == ref32.greedy(ref32.ids(prompt), 24)

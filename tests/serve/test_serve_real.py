@@ -37,3 +37,45 @@ def test_real_tp3_equals_tp1(real_tp_app, ref):
     resp = real_tp_app.handle.generate.remote(
         GenerateRequest(model="smollm2-tp3", prompt=prompt, max_tokens=16)).result()
     assert resp.token_ids == ref.greedy(ref.ids(prompt), 16)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 16}},
+                                                "required": ["city"], "additionalProperties": False}}}
+
+
+def _chat(app, content: str, **body) -> dict:
+    resp = post(f"{app.url}/v1/chat/completions", {"model": "smollm2-135m-instruct", "temperature": 0,
+                                                   "max_tokens": 40, "messages": [{"role": "user", "content": content}],
+                                                   **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def test_real_json_schema_validates_and_equals_plain_constrained(real_app):
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    spec = _chat(real_app, "Invent a person as JSON.", response_format=fmt)
+    plain = _chat(real_app, "Invent a person as JSON.", response_format=fmt, speculate=False)
+    assert spec["message"]["content"] == plain["message"]["content"]
+    jsonschema.validate(json.loads(spec["message"]["content"]), PERSON)
+
+
+def test_real_named_tool_call_validates(real_app):
+    import json
+
+    import jsonschema
+
+    choice = _chat(real_app, "What is the weather in Paris?", tools=[WEATHER],
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert choice["finish_reason"] == "tool_calls"
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])

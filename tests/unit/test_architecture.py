@@ -2,7 +2,7 @@
 modules import each other in a cycle.
 
 Layers, lowest first; an import may point only to a lower layer or inside its own part:
-  0 core/   1 errors.py, hardware.py   2 kernels/   3 config.py, prompts.py, models/, gc_pauses.py   4 build.py
+  0 core/   1 errors.py, hardware.py   2 kernels/   3 config.py, prompts.py, models/, gc_pauses.py, structured/   4 build.py
   5 commands/, serve/   6 fleet/   7 train/   8 bench/   9 cli.py
 """
 
@@ -19,7 +19,7 @@ LAYERS = {
     "core": 0,
     "errors": 1, "hardware": 1,
     "kernels": 2,
-    "config": 3, "prompts": 3, "models": 3, "gc_pauses": 3,
+    "config": 3, "prompts": 3, "models": 3, "gc_pauses": 3, "structured": 3,
     "build": 4,
     "commands": 5, "serve": 5,
     "fleet": 6,
