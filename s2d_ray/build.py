@@ -271,8 +271,9 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_ste
     tok = target.tokenizer
     engine = assemble_engine(
         cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
-                            kernels=kernels),
-        SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads)
+                            kernels=kernels, prefix_cache=cfg.prefix_cache.spec()),
+        SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
+                      prefix_cache=cfg.prefix_cache.spec())
         if draft is not None else None,
         profile,
         max_context=cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None),

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .core.prefix_cache import PrefixCacheSpec
 from .errors import ConfigError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -147,6 +148,23 @@ class TargetConfig(_Strict):
         return self.source or self.name
 
 
+class PrefixCacheConfig(_Strict):
+    enabled: bool = Field(True, description="Keep the KV of finished sequences by token prefix, so a later prompt "
+                          "that starts the same way (a system prompt, an earlier turn) prefills only the rest.")
+    max_tokens: int | None = Field(16384, gt=0, description="Most token positions of finished sequences kept per "
+                                   "target (and per draft); the least recently used go first. Required when enabled.")
+
+    @model_validator(mode="after")
+    def _size(self) -> "PrefixCacheConfig":
+        if self.enabled and self.max_tokens is None:
+            raise ValueError("prefix_cache.max_tokens is required when prefix_cache.enabled is true")
+        return self
+
+    def spec(self) -> PrefixCacheSpec | None:
+        """What the verifier and drafter are built with (None: off)."""
+        return PrefixCacheSpec(self.max_tokens) if self.enabled and self.max_tokens else None
+
+
 class EngineConfig(_Strict):
     """One target + one draft + speculation settings: what `SpecEngine` is built from."""
 
@@ -164,6 +182,7 @@ class EngineConfig(_Strict):
                               "bucket (an eager GPU step is bound by kernel launches); no effect on the CPU.")
     linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
     kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
+    prefix_cache: PrefixCacheConfig = Field(PrefixCacheConfig(), description="Prefix cache across requests.")
 
 
 class SamplingConfig(_Strict):

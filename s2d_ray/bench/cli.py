@@ -195,6 +195,9 @@ def _register_serve(bench) -> None:
                    "and alternate served and in-process runs of the same requests at concurrency 1 (--twin-pairs "
                    "times per variant): served / in-process, each pair minutes apart")
     p.add_argument("--twin-pairs", type=int, default=3, help="served / in-process pairs per variant with --twin")
+    p.add_argument("--workload", choices=["mixed", "shared-prefix", "repeated"], default="mixed",
+                   help="prompts: the mixed ones; each after one ~700-token system prompt; or the mixed list twice "
+                   "(set --requests to the prompt count for one pass each; see docs/CACHING.md)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 
@@ -237,7 +240,7 @@ def _load_run(args: argparse.Namespace, model: str):
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .serve import mixed_prompts, plot_load, run_load, serve_markdown
+    from .serve import mixed_prompts, plot_load, run_load, serve_markdown, workload_prompts
 
     if args.check_greedy and (args.temperature != 0.0 or args.check_batch < 1):
         raise ConfigError("--check-greedy needs --temperature 0 and --check-batch >= 1")
@@ -247,7 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--twin-pairs must be >= 1")
     load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup,
                    twin_pairs=args.twin_pairs if args.twin else 0)
-    prompts = mixed_prompts(args.questions)
+    prompts = workload_prompts(args.workload, mixed_prompts(args.questions))
     twin = None
     if args.twin:  # built first: a config that cannot make the twin fails before the load runs
         from ..fleet.plan import read_app_config

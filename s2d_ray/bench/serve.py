@@ -30,6 +30,36 @@ FALLBACK_PROMPTS = [
 ]
 
 
+# A system prompt of about 700 tokens that every request of the `shared-prefix` workload starts with, as chat traffic
+# does: what a prefix cache saves (docs/CACHING.md).
+_RULES = [
+    "answer in plain English, in short paragraphs, and say so when a question is ambiguous instead of guessing",
+    "show arithmetic step by step, name every quantity with its unit, and check the final number once more",
+    "write code that runs as given, with type hints and a docstring, and explain any library it imports",
+    "decline requests for personal data about private people, and say briefly which part cannot be answered",
+    "quote sources by title and year when you rely on them, and never invent a citation or a link",
+    "when asked to summarise, keep names, numbers and dates exact, and drop examples before conclusions",
+    "prefer lists for steps the reader must follow in order, and prose for reasons and trade-offs",
+    "if a request mixes several tasks, answer them in the order given and number each answer",
+]
+SHARED_SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(
+    f"Rule {i + 1}: {_RULES[i % len(_RULES)]}." for i in range(28))
+WORKLOADS = ("mixed", "shared-prefix", "repeated")
+
+
+def workload_prompts(workload: str, base: list[str]) -> list[str]:
+    """The prompts of a workload over `base` (the mixed prompts): `mixed` as they are; `shared-prefix` each after the
+    same long system prompt; `repeated` the whole list twice in order (a retried or replayed batch of chats: the
+    second pass finds every prompt cached)."""
+    if workload == "shared-prefix":
+        return [f"{SHARED_SYSTEM_PROMPT}\n\nQuestion: {p}" for p in base]
+    if workload == "repeated":
+        return base + base
+    if workload != "mixed":
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    return list(base)
+
+
 PAIRED_MAX_SECONDS = 3600.0  # a plain run paired with a speculative one ends when its requests do (a safety cap)
 
 

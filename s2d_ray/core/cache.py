@@ -193,6 +193,13 @@ class HiddenStore:
         return sum(b.numel() * b.element_size() for b in self.bufs)
 
     @torch.no_grad()
+    def copy_prefix(self, src_row: int, dst_row: int, num_slots: int) -> None:
+        """Copy the kept states of slots [0, num_slots) from one row to another (a forked sequence's prompt)."""
+        self.reserve(max(src_row, dst_row) + 1, num_slots)
+        for b in self.bufs:
+            b[dst_row, :num_slots] = b[src_row, :num_slots]
+
+    @torch.no_grad()
     def move_slots(self, row: int, src: list[int], dst_start: int) -> None:
         """Copy the kept states of slots `src` (in order) to consecutive slots from `dst_start` (a tree's path)."""
         self.reserve(row + 1, max(src) + 1)  # a leaf of the path was never forwarded: its slot may lie past the end

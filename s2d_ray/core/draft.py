@@ -20,6 +20,7 @@ from .cache import HiddenStore, SlotKVCache
 from .errors import ModelLoadError, RequestError
 from .frontier import DraftTree, commit_path, expand_frontier
 from .kernels import STOCK, Kernels
+from .prefix_cache import PrefixCacheSpec
 from .sampling import logits_to_probs, round_generator, sample
 from .stack import (PREFILL_CHUNK, DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups,
                     pending_grid)
@@ -126,7 +127,8 @@ class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
 
     def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True, wide_threads: int | None = None) -> None:
+                 cuda_graphs: bool = True, wide_threads: int | None = None,
+                 prefix_cache: PrefixCacheSpec | None = None) -> None:
         self.draft = draft
         self.prefill_chunk = prefill_chunk  # 0: a prompt in one pass
         self.stack = draft.stack
@@ -140,8 +142,10 @@ class SortedDrafter:
         self.stop_confidence = stop_confidence  # stop drafting a sequence when its q(x) falls below this
         self.cache: SlotKVCache = self.stack.new_cache()
         self.table = RowTable(len(self.exit_layers), self.cache)
+        self.table.use_prefix_cache(prefix_cache)  # finished sequences' KV kept for later prompts (prefix_cache.py)
         hidden = draft.parts.embed.weight.shape[1]
         self.hidden = HiddenStore(len(self.exit_layers) - 1, hidden, self.stack.dtype, self.stack.device)
+        self.table.forked_stores.append(self.hidden)  # a fork copies the kept exit states with the KV
         self.trees: dict[str, tuple[RowState, DraftTree]] = {}  # the last frontier tree per sequence, until compacted
 
     @torch.no_grad()
@@ -156,6 +160,7 @@ class SortedDrafter:
             del self.trees[seq_id]  # its row was evicted (the sequence went elsewhere): nothing left to compact
         for st in states:  # the last token is always re-run: its logits start the draft (a retried round sends the
             st.filled = [min(f, len(st.tokens) - 1) for f in st.filled]  # same tokens again, already all in KV)
+        self._fork_new(states)
         props = [Proposal([], None, [], [], []) if r.tree else Proposal.empty() for r in requests]
         spine = [(-1, 1.0)] * len(requests)  # per request: (last spine node, its path probability)
         live = [i for i, r in enumerate(requests) if r.k > 0]
@@ -194,6 +199,19 @@ class SortedDrafter:
             for i, tree in zip(rows, trees):
                 self.trees[requests[i].seq_id] = (states[i], tree)
         return props
+
+    def _fork_new(self, states: list[RowState]) -> None:
+        """With a prefix cache, a new sequence copies the longest prefix a cached or live row holds (KV and the kept
+        exit states its deeper segments fill from) instead of drafting over its prompt again."""
+        new = [st for st in states if not any(st.filled)] if self.table.prefix_cache is not None else []
+        holders = self.table.holders() if new else []
+        seq_ids = {id(st): seq_id for seq_id, st in self.table.states.items()}
+        for st in new:
+            self.table.fork_counted(seq_ids[id(st)], len(st.tokens) - 1, holders)
+
+    def prefix_cache_stats(self) -> dict:
+        """`prefix_cache_queries` / `prefix_cache_hits` (tokens, vLLM's names) and the positions held now."""
+        return self.table.prefix_cache.stats() if self.table.prefix_cache is not None else {}
 
     def _commit_trees(self, requests: list[DraftRequest]) -> None:
         """Before syncing: compact each sequence's last frontier tree to the path its tokens now say was accepted

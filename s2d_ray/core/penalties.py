@@ -96,8 +96,11 @@ class FrequencyPresence:
 
     def __call__(self, committed: Sequence[int], branches: Sequence[Sequence[int]],
                  logits: torch.Tensor) -> torch.Tensor:  # logits: [n, V]
-        counts = token_counts(committed, branches, self.prompt_len, logits.shape[-1], logits.device, logits.dtype)
-        return logits - counts * self.frequency - (counts > 0).to(logits.dtype) * self.presence
+        # Counts and shifts in float32 at least: a bf16 row cannot hold a count past 256 exactly.
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        counts = token_counts(committed, branches, self.prompt_len, logits.shape[-1], logits.device, dtype)
+        shift = counts * self.frequency + (counts > 0).to(dtype) * self.presence
+        return (logits.to(dtype) - shift).to(logits.dtype)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class RepetitionPenalty:
 
     def __call__(self, committed: Sequence[int], branches: Sequence[Sequence[int]],
                  logits: torch.Tensor) -> torch.Tensor:  # logits: [n, V]
-        seen = token_counts(committed, branches, 0, logits.shape[-1], logits.device, logits.dtype) > 0
+        seen = token_counts(committed, branches, 0, logits.shape[-1], logits.device, torch.float32) > 0
         scaled = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
         return torch.where(seen, scaled, logits)
 

@@ -22,6 +22,7 @@ from .attention import plan_kv_groups
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
 from .errors import CapacityError, ModelLoadError
 from .kernels import STOCK, AttentionShape, Kernels
+from .prefix_cache import PrefixCacheSpec, RetiredRows
 from .threads import intra_op_threads, pass_threads
 
 logger = logging.getLogger(__name__)
@@ -297,6 +298,8 @@ class RowTable:
         self.max_rows: int | None = None
         self.num_evicted = 0  # sequences whose row was taken for another (their KV is recomputed if they return)
         self.num_forked_tokens = 0  # prompt positions copied from another row instead of computed (fork)
+        self.prefix_cache: RetiredRows | None = None  # finished rows kept for forks (use_prefix_cache)
+        self.forked_stores: list = []  # per-row stores a fork copies with the KV (a drafter's HiddenStore)
         self._free: list[int] = []
         self._next_row = 0
 
@@ -304,6 +307,10 @@ class RowTable:
         """Bound this table's rows and its cache's growth (call before use; memory <= max_rows x max_slots)."""
         self.max_rows = max_rows
         self.cache.max_rows, self.cache.max_slots = max_rows, max_slots
+
+    def use_prefix_cache(self, spec: PrefixCacheSpec | None) -> None:
+        """Keep finished sequences' rows for later forks, up to spec.max_tokens positions (None: clear on release)."""
+        self.prefix_cache = RetiredRows(spec) if spec is not None else None
 
     def sync_batch(self, items: list[tuple[str, list[int]]]) -> list[RowState]:
         """sync() every (seq_id, tokens) of one forward; none of them can evict another. More distinct sequences than
@@ -347,8 +354,9 @@ class RowTable:
 
     def holders(self) -> list[RowState]:
         """The rows holding KV: where `fork` looks (taken once for a batch of forks, not once per fork: a forked row
-        holds a prefix of its source, never more)."""
-        return [state for state in self.states.values() if state.filled and state.filled[0] > 0]
+        holds a prefix of its source, never more). Finished rows the prefix cache keeps come first."""
+        kept = self.prefix_cache.states() if self.prefix_cache is not None else []
+        return kept + [state for state in self.states.values() if state.filled and state.filled[0] > 0]
 
     def fork(self, seq_id: str, limit: int, among: list[RowState] | None = None) -> int:
         """Give a sequence with no KV yet the longest prefix of its tokens that another live row holds (of `among`,
@@ -368,10 +376,21 @@ class RowTable:
                     break
         if src is None:
             return 0
-        self.cache.copy_prefix(src.row, state.row, shared)
+        for store in [self.cache, *self.forked_stores]:
+            store.copy_prefix(src.row, state.row, shared)
+        if self.prefix_cache is not None:
+            self.prefix_cache.touch(src)
         state.filled = [min(f, shared) for f in src.filled]
         self.num_forked_tokens += state.filled[0]
         return state.filled[0]
+
+    def fork_counted(self, seq_id: str, limit: int, among: list[RowState]) -> int:
+        """`fork` for a new sequence, counted in the prefix cache's queries (`limit` positions) and hits."""
+        forked = self.fork(seq_id, limit, among=among) if among else 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.queries += max(limit, 0)
+            self.prefix_cache.hits += forked
+        return forked
 
     def cached_prefix(self, seq_id: str, tokens: list[int]) -> int:
         """How many leading positions of `tokens` already hold KV here in the first segment (0 for an unknown id)."""
@@ -384,6 +403,9 @@ class RowTable:
         if self.max_rows is None or self._next_row < self.max_rows:
             self._next_row += 1
             return self._next_row - 1
+        kept = self.prefix_cache.take() if self.prefix_cache is not None else None
+        if kept is not None:  # a finished sequence's cached prefix gives way before a live sequence does
+            return kept
         seq_id, state = next(iter(self.states.items()))  # least recently synced
         logger.debug("row %d: evicting seq %s (table full at %d rows)", state.row, seq_id, self.max_rows)
         del self.states[seq_id]
@@ -392,9 +414,12 @@ class RowTable:
 
     def release(self, seq_id: str) -> None:
         state = self.states.pop(seq_id, None)
-        if state is not None:
-            self.cache.clear_row(state.row)
-            self._free.append(state.row)
+        if state is None:
+            return
+        freed = [state.row] if self.prefix_cache is None else self.prefix_cache.retire(state, self.cache.num_slots)
+        for row in freed:
+            self.cache.clear_row(row)
+            self._free.append(row)
 
     def __len__(self) -> int:
         return len(self.states)

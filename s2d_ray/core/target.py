@@ -10,6 +10,7 @@ from torch import nn
 
 from .cache import causal_allowed
 from .kernels import STOCK, Kernels
+from .prefix_cache import PrefixCacheSpec
 from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, decoder_parts,
                     length_groups, pending_grid)
 from .tree import ancestor_mask, node_depths
@@ -37,7 +38,8 @@ class TargetVerifier:
     """
 
     def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True, wide_threads: int | None = None, kernels: Kernels = STOCK) -> None:
+                 cuda_graphs: bool = True, wide_threads: int | None = None, kernels: Kernels = STOCK,
+                 prefix_cache: PrefixCacheSpec | None = None) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)], kernels=kernels)
@@ -47,6 +49,7 @@ class TargetVerifier:
         self.stack.use_fast_projections()  # the backend's projections (on the CPU: packed weights where faster)
         self.cache = self.stack.new_cache()
         self.table = RowTable(1, self.cache)
+        self.table.use_prefix_cache(prefix_cache)  # finished sequences' KV kept for later prompts (prefix_cache.py)
         self.vocab_size = model.config.vocab_size
         self.share_prefixes = share_prefixes
         self.prefill_chunk = prefill_chunk  # 0: every row's positions in one pass
@@ -78,9 +81,9 @@ class TargetVerifier:
         for batch in batches:  # rows sharing a new prompt: after it is computed
             new = [i for i in batch if starts[i] == 0] if self.share_prefixes else []
             holders = self.table.holders() if new else []
-            for i in new if holders else []:
-                starts[i] = self.table.fork(requests[i].seq_id, len(requests[i].tokens) - requests[i].num_logits,
-                                            among=holders)
+            for i in new:
+                starts[i] = self.table.fork_counted(requests[i].seq_id,
+                                                    len(requests[i].tokens) - requests[i].num_logits, holders)
             for sub_group in length_groups([ends[i] - starts[i] + 1 for i in batch]):  # prompts apart from decode rows
                 group = [batch[j] for j in sub_group]
                 hidden = self._forward_chunked([requests[i] for i in group], [states[i] for i in group],
@@ -139,6 +142,10 @@ class TargetVerifier:
         rows = torch.tensor([st.row for st in states], device=device)
         rope, allowed = tree_layout(requests, starts, positions)
         return self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
+
+    def prefix_cache_stats(self) -> dict:
+        """`prefix_cache_queries` / `prefix_cache_hits` (tokens, vLLM's names) and the positions held now."""
+        return self.table.prefix_cache.stats() if self.table.prefix_cache is not None else {}
 
     def release(self, seq_id: str) -> None:
         self.table.release(seq_id)

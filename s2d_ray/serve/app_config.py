@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..config import (
     DEFAULT_TARGET, KERNEL_TIMES_HELP, LINEAR_KERNEL_HELP, DraftConfig, DType, EngineConfig, LinearKernel, SpecConfig,
-    TargetConfig,
+    TargetConfig, PrefixCacheConfig,
 )
 from ..hardware import resolve_dtype
 from ..models.capacity import GIB, Capacity, ModelShape, host_memory_bytes, kv_capacity, read_model_config
@@ -315,6 +315,8 @@ class AppConfig(_Strict):
     )
     linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
     kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
+    prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig, description="Prefix cache across "
+                                            "requests in each target replica (and TP rank) and the draft.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
@@ -366,7 +368,7 @@ class AppConfig(_Strict):
                               thresholds=self.draft.thresholds, stop_confidence=self.draft.stop_confidence),
             spec=self.spec, cache_dir=self.cache_dir, trust_remote_code=self.trust_remote_code,
             num_threads=self.num_threads, wide_threads=self.wide_threads, linear_kernel=self.linear_kernel,
-            kernel_times=self.kernel_times,
+            kernel_times=self.kernel_times, prefix_cache=self.prefix_cache,
         )
 
     def max_sequences(self, name: str) -> int:

@@ -83,6 +83,7 @@ class DraftDeployment:
         max_slots = max(target_window(cfg, t.name) for t in cfg.targets)
         for d in self.drafters:  # memory per drafter <= max_rows x max_slots (docs/SERVING.md)
             limit_rows(d, self.max_rows, max_slots)
+            d.table.use_prefix_cache(cfg.prefix_cache.spec())  # draft KV depends on tokens alone: targets share it
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
         self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
@@ -160,6 +161,8 @@ class DraftDeployment:
                 **self.capacity.stats(), "recomputed_tokens": self.recomputed,
                 "num_evicted": sum(d.table.num_evicted for d in self.drafters), "max_live_sequences": self.max_rows,
                 "cache_bytes": sum(d.cache.nbytes() + d.hidden.nbytes() for d in self.drafters),
+                **{key: sum(d.prefix_cache_stats().get(key, 0) for d in self.drafters)
+                   for key in ("prefix_cache_queries", "prefix_cache_hits")},
                 "kernels": self.default.stack.kernels(), **device_report(self.default.draft),
                 "gc": gc_pauses().snapshot()}
 

@@ -78,6 +78,12 @@ class ServeMetrics:
                              buckets=MAT_BUCKETS, registry=r)
         # The shared draft replica's capacity, read from its stats when /metrics is scraped (one replica answers).
         self.draft = {key: Gauge(f"s2d:draft_{key}", doc, registry=r) for key, doc in DRAFT_GAUGES.items()}
+        # vLLM's prefix cache counters (tokens), summed over the target replicas that answered a scrape's stats call.
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m,
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "prefilled).", m, registry=r)
+        self._prefix_seen: dict[tuple[str, str, str], int] = {}  # (model, replica, key) -> that replica's last count
 
     def record_finished(self, model: str, prompt_tokens: int, finish_reason: str, metrics: dict,
                         e2e_s: float, ttft_s: float | None) -> None:
@@ -113,6 +119,17 @@ class ServeMetrics:
         for key, gauge in self.draft.items():
             if key in stats:
                 gauge.set(stats[key])
+
+    def record_prefix_cache(self, model: str, stats: dict | None) -> None:
+        """Fold a target replica's cumulative prefix cache counts (TargetDeployment.stats) into the counters by the
+        increase since that replica last answered (a restarted replica starts again from 0)."""
+        if not stats or "error" in stats or "prefix_cache_queries" not in stats:
+            return
+        replica = str(stats.get("replica", ""))
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+            now, last = int(stats[key]), self._prefix_seen.get((model, replica, key), 0)
+            counter.labels(model).inc(now - last if now >= last else now)
+            self._prefix_seen[(model, replica, key)] = now
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

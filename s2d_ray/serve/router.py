@@ -113,7 +113,8 @@ class Router:
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
-        logger.info("router: targets %s, draft %s, auth %s", sorted(self.models),
+        logger.info("router: targets %s (sequences admitted at once %s), draft %s, auth %s", sorted(self.models),
+                    {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
 
     def _model_info(self, name: str) -> ModelInfo:
@@ -247,6 +248,8 @@ class Router:
     async def prometheus(self) -> Response:
         if self.cfg.uses_draft:
             self.metrics.record_draft(await _call_stats(self.draft_handle))
+        for name in self.schedulers:  # the prefix cache counters live in the target replicas
+            self.metrics.record_prefix_cache(name, await _call_stats(self.target_handles[name]))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],

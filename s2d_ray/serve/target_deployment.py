@@ -63,6 +63,7 @@ class LocalTarget:
         return {"tp_size": 1, "num_evicted": table.num_evicted, "num_forked_tokens": table.num_forked_tokens,
                 "cache_bytes": cache.nbytes(), "num_passes": cache.num_passes,
                 "num_gathered_passes": cache.num_gathered, "kernels": self.verifier.stack.kernels(),
+                **self.verifier.prefix_cache_stats(),
                 **device_report(self.verifier.model)}
 
     def close(self) -> None:
@@ -95,7 +96,7 @@ class TargetDeployment:
         else:
             model = load_target(ecfg).model
             verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads,
-                                      kernels=make_kernels(ecfg))
+                                      kernels=make_kernels(ecfg), prefix_cache=ecfg.prefix_cache.spec())
             self.max_rows = sized_rows(spec, model, max_slots)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)

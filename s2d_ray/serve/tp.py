@@ -122,7 +122,7 @@ class TPWorker:
         reset_peak_rss()  # the peak reported is loading's
         model, loading = self._load()
         self.verifier = TargetVerifier(model, cuda_graphs=False,  # all-reduces inside: not captured
-                                       kernels=make_kernels(self.ecfg))
+                                       kernels=make_kernels(self.ecfg), prefix_cache=self.ecfg.prefix_cache.spec())
         rows = self.spec_rows(model, max_rows, max_slots)
         limit_rows(self.verifier, rows, max_slots)
         returned = return_freed_memory()
