@@ -80,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
               "speedup": results["s2d"]["tokens_per_second"] / max(results["plain"]["tokens_per_second"], 1e-9)}
     print("| method | tok/s | MAT | valid | tokens |\n|---|---|---|---|---|")
     for name, r in results.items():
+        cut = sum(row["finish_reason"] == "length" for row in r["per_prompt"])
         print(f"| {name} | {r['tokens_per_second']:.1f} | {r['mean_accepted']:.2f} | {r['valid']}/{len(prompts)} "
-              f"| {r['tokens']} |")
+              f"({cut} cut at max-new-tokens) | {r['tokens']} |")
     print(f"S2D / plain: {report['speedup']:.2f}x; outputs equal: {same}/{len(prompts)}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,14 +108,16 @@ def decode(engine, tok, encoded: list[list[int]], schemas: list[dict], max_new_t
 def summary(results: list, tok, prompts: list[tuple[str, dict]], seconds: float) -> dict:
     import jsonschema
 
-    valid = 0
+    valid, rows = 0, []
     for res, (_, schema) in zip(results, prompts):
+        ok = True
         try:
             jsonschema.validate(json.loads(tok.decode(res.token_ids, skip_special_tokens=True)), schema)
-            valid += 1
         except (ValueError, jsonschema.ValidationError):
-            pass
+            ok = False  # only an output cut by max_new_tokens can fail: the grammar admits nothing else
+        valid += ok
+        rows.append({"tokens": len(res.token_ids), "finish_reason": res.finish_reason, "valid": ok})
     tokens = sum(len(r.token_ids) for r in results)
     drafted = [r.metrics["mean_acceptance_length"] for r in results]
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds, "valid": valid,
-            "mean_accepted": sum(drafted) / len(drafted)}
+            "mean_accepted": sum(drafted) / len(drafted), "per_prompt": rows}

@@ -139,7 +139,7 @@ class ChatMessage(BaseModel):
 
 class OpenAIFields(SamplingFields):
     """What both OpenAI requests add to the sampling fields: choices, streaming, OpenAI's limits. Validated strictly
-    (a string where a number belongs is a 400); unknown fields are ignored (OpenAI clients send many)."""
+    (a string where a number belongs is a 400); an unknown field is a 400 naming it (docs/OPENAI.md)."""
 
     model_config = STRICT
 
