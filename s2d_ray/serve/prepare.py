@@ -9,7 +9,7 @@ from ..core.engine import GenerationRequest
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
 from ..prompts import encode_messages, encode_prompt
-from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, request_processors, stop_ids
+from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, check_ids, request_processors, stop_ids
 from ..structured.tools import tool_prompt
 from .app_config import Limits
 from .openai_protocol import GenerateRequest
@@ -35,9 +35,7 @@ def encode(info: ModelInfo, req: GenerateRequest) -> list[int]:
     if req.prompt_token_ids is not None:
         if not req.prompt_token_ids:
             raise RequestError("prompt is empty")
-        bad = [i for i in req.prompt_token_ids if not 0 <= i < len(tok)]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {len(tok)})")
+        check_ids(req.prompt_token_ids, len(tok), "prompt")
         return list(req.prompt_token_ids)
     if req.messages is not None:
         if not any(m.text().strip() for m in req.messages):
