@@ -19,10 +19,12 @@ from .core.engine import SpecEngine
 from .core.kernels import Kernels
 from .core.lookup import PromptLookup, TreeDrafter
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
+from .core.suffix import SuffixStore
 from .core.target import TargetVerifier, Verifier
+from .core.threads import AdaptiveThreads
 from .errors import ConfigError, ModelLoadError
 from .hardware import for_machine, machine_name, resolve_dtype
-from .kernels import CpuKernels
+from .kernels import CpuKernels, DeterministicKernels
 from .models import DRAFT_CONFIG, LoadedModel, check_same_vocabulary, default_cache_dir, load_draft, load_model
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,11 @@ def set_threads(num_threads: int | None) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
+def thread_governor(enabled: bool, device: torch.device) -> AdaptiveThreads | None:
+    """A stack's thread-count chooser (core/threads.py), one per stack: only the CPU has threads to choose."""
+    return AdaptiveThreads() if enabled and device.type == "cpu" else None
+
+
 def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:
     """cfg with `dtype: auto` replaced by what it means on `device` (so logs, profiles and Built.cfg name it)."""
     dtype = resolve_dtype(cfg.target.dtype, device)
@@ -51,8 +58,10 @@ def make_kernels(cfg: EngineConfig | None = None) -> Kernels:
     """The kernel backend the config (default: the defaults) asks for (core/kernels.py), injected into the verifier
     and the draft: on the CPU, grouped attention and packed projections where they measured faster here; elsewhere
     torch's own kernels. S2D_LINEAR_KERNEL and S2D_KERNEL_TIMES override the config's `linear_kernel` and
-    `kernel_times`."""
+    `kernel_times`. `deterministic`: batch-invariant kernels instead (kernels/deterministic.py), on any device."""
     cfg = cfg if cfg is not None else EngineConfig()
+    if cfg.deterministic:
+        return DeterministicKernels()
     return CpuKernels.from_settings(cfg.linear_kernel, cfg.kernel_times, default_cache_dir() / "kernel_times.json")
 
 
@@ -206,20 +215,22 @@ def make_policy(spec: SpecConfig) -> DraftLengthPolicy:
     return HeuristicK(start=spec.k, max_k=spec.max_k) if spec.policy == "heuristic" else FixedK(spec.k)
 
 
-def make_speculation(spec: SpecConfig, drafter: Any | None, profile: dict | None) -> tuple[Any | None, SpeculationBudget | None]:
-    """Wrap the draft model's drafter (in-process or a Ray handle client) for trees and lookup, and size rounds from
-    the profile's measured costs when the policy is `auto`. Plain chains with a k policy come back unchanged."""
+def make_speculation(spec: SpecConfig, drafter: Any | None, profile: dict | None,
+                     suffix: SuffixStore | None = None) -> tuple[Any | None, SpeculationBudget | None]:
+    """Wrap the draft model's drafter (in-process or a Ray handle client) for trees, lookup and the store of earlier
+    outputs (`suffix`), and size rounds from the profile's measured costs when the policy is `auto`. Plain chains
+    with a k policy come back unchanged."""
     costs = CostModel.from_profile(profile) if spec.policy == "auto" and profile else None
     if spec.policy == "auto" and costs is None:
         logger.warning("policy auto needs a calibration profile with costs; using a fixed k=%d", spec.k)
-    if spec.mode == "ar" or not spec.trees:
+    if spec.mode == "ar" or not (spec.trees or suffix is not None):
         return drafter, None
     lookup = spec.lookup or spec.mode == "lookup"
     shape = TreeShape(width=spec.width if spec.uses_draft_model else 1, lookup=lookup, max_nodes=spec.max_nodes,
                       frontier=spec.frontier)
     finder = PromptLookup(spec.lookup_ngram, spec.lookup_tokens, spec.lookup_candidates,
                           spec.lookup_branch_tokens) if lookup else None
-    drafter = TreeDrafter(drafter if spec.uses_draft_model else None, finder, spec.lookup_alone)
+    drafter = TreeDrafter(drafter if spec.uses_draft_model else None, finder, spec.lookup_alone, suffix)
     return drafter, SpeculationBudget(shape, costs, spec.max_k)
 
 
@@ -251,11 +262,14 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
     each call costs a round trip)."""
     spec = effective_spec(cfg, profile)
     warn_if_modelled_slower(cfg, profile)
-    drafter, budget = make_speculation(spec, drafter, profile)
-    logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s", cfg.target.name, cfg.spec.mode,
-                spec.policy, spec.k, spec.width, spec.lookup)
+    # One store per engine, so per target: earlier outputs never cross models. Plain decoding (`ar`) keeps none.
+    store_spec = cfg.suffix.spec() if spec.mode != "ar" else None
+    suffix = SuffixStore(store_spec) if store_spec is not None else None
+    drafter, budget = make_speculation(spec, drafter, profile, suffix)
+    logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s suffix=%s", cfg.target.name,
+                cfg.spec.mode, spec.policy, spec.k, spec.width, spec.lookup, store_spec)
     return SpecEngine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
-                      budget=budget, plain_steps=plain_steps)
+                      budget=budget, plain_steps=plain_steps, suffix=suffix)
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_steps: int = 1) -> Built:
@@ -264,16 +278,22 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_ste
     target = target or load_target(cfg)
     profile = load_profile(cfg)
     kernels = make_kernels(cfg)
-    draft = build_draft(cfg, target, profile, kernels=kernels) if cfg.spec.uses_draft_model else None
+    # The draft needs no determinism (the target decides every token): the fast kernels even in the mode.
+    draft_kernels = make_kernels(cfg.model_copy(update={"deterministic": False})) if cfg.deterministic else kernels
+    draft = build_draft(cfg, target, profile, kernels=draft_kernels) if cfg.spec.uses_draft_model else None
     if draft is not None:
         logger.info("draft %s: exits=%s thresholds=%s", cfg.draft.source, draft.spec.exit_layers,
                     draft.spec.thresholds)
     tok = target.tokenizer
     engine = assemble_engine(
         cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
-                            kernels=kernels, prefix_cache=cfg.prefix_cache.spec()),
+                            kernels=kernels, prefix_cache=cfg.prefix_cache.spec(),
+                            # deterministic: the target's thread count stays as configured, whatever it measures
+                            threads=thread_governor(cfg.adaptive_threads and not cfg.deterministic,
+                                                    target.model.device)),
         SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
-                      prefix_cache=cfg.prefix_cache.spec())
+                      prefix_cache=cfg.prefix_cache.spec(),
+                      threads=thread_governor(cfg.adaptive_threads, target.model.device))
         if draft is not None else None,
         profile,
         max_context=cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None),

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .core.prefix_cache import PrefixCacheSpec
+from .core.suffix import SuffixSpec
 from .errors import ConfigError
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -156,13 +157,51 @@ class PrefixCacheConfig(_Strict):
 
     @model_validator(mode="after")
     def _size(self) -> "PrefixCacheConfig":
-        if self.enabled and self.max_tokens is None:
-            raise ValueError("prefix_cache.max_tokens is required when prefix_cache.enabled is true")
-        return self
+        return require_size(self, "prefix_cache")
 
     def spec(self) -> PrefixCacheSpec | None:
         """What the verifier and drafter are built with (None: off)."""
         return PrefixCacheSpec(self.max_tokens) if self.enabled and self.max_tokens else None
+
+
+class SuffixConfig(_Strict):
+    enabled: bool = Field(False, description="Draft from earlier outputs: keep recent finished outputs and propose "
+                          "what followed the longest match of a sequence's last tokens, as token-tree candidates "
+                          "beside the draft model and prompt lookup (docs/CACHING.md). Needs max_tokens.")
+    max_tokens: int | None = Field(None, gt=0, description="Most tokens of outputs kept per target (all scopes "
+                                   "together); the oldest outputs go first. Required when enabled.")
+    scope: Literal["global", "api_key"] = Field(
+        "api_key", description="Whose outputs a request may draft from: `api_key` only those of requests with the "
+        "same bearer key and OpenAI `user` / `safety_identifier` (served; the CLI has one scope), `global` every "
+        "request's. Output is the same either way; only speed can differ.")
+    max_ngram: int = Field(8, ge=2, le=32, description="Longest suffix compared; also the prompt tokens kept "
+                           "before each output, so an output's first tokens can match the end of a prompt.")
+    num_tokens: int = Field(16, ge=1, le=64, description="Most tokens proposed per continuation.")
+    candidates: int = Field(1, ge=1, le=8, description="Distinct continuations per round (others as branches).")
+    alone_ngram: int = Field(8, ge=2, le=64, description="A match at least this long is proposed without running "
+                             "the draft model that round.")
+
+    @model_validator(mode="after")
+    def _size(self) -> "SuffixConfig":
+        return require_size(self, "suffix")
+
+    def spec(self) -> SuffixSpec | None:
+        """What the engine's store is built with (None: off)."""
+        if not self.enabled or not self.max_tokens:
+            return None
+        return SuffixSpec(self.max_tokens, self.max_ngram, self.num_tokens, self.candidates, self.alone_ngram)
+
+
+def require_size(section: BaseModel, name: str) -> BaseModel:
+    """A cache or store that is enabled needs its size: refused at build, naming the field."""
+    if section.enabled and section.max_tokens is None:
+        raise ValueError(f"{name}.max_tokens is required when {name}.enabled is true")
+    return section
+
+
+DETERMINISTIC_HELP = ("Batch-invariant kernels (kernels/deterministic.py): every position's logits equal a one-token "
+                      "decode step's bit for bit, so greedy output equals plain greedy decoding in this mode and "
+                      "repeats run to run, in bf16 too; slower (linear_kernel is not used).")
 
 
 class EngineConfig(_Strict):
@@ -178,11 +217,18 @@ class EngineConfig(_Strict):
         None, ge=1, description="torch threads for wide passes (prompts, token trees, batches: >= 16 positions) "
         "when that is more than num_threads; default: num_threads."
     )
+    adaptive_threads: bool = Field(
+        True, description="On the CPU, run each pass on the thread count (all, half, one) measured fastest for its "
+        "kind and re-time the others now and then: beside a CPU-bound neighbour a pass split over every core waits "
+        "for the descheduled thread, on fewer it keeps going. False: num_threads / wide_threads as given."
+    )
     cuda_graphs: bool = Field(True, description="On CUDA, replay decode and verify forwards as CUDA graphs by shape "
                               "bucket (an eager GPU step is bound by kernel launches); no effect on the CPU.")
     linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
     kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
+    deterministic: bool = Field(False, description=DETERMINISTIC_HELP)
     prefix_cache: PrefixCacheConfig = Field(PrefixCacheConfig(), description="Prefix cache across requests.")
+    suffix: SuffixConfig = Field(SuffixConfig(), description="Drafting from earlier outputs (off by default).")
 
 
 class SamplingConfig(_Strict):

@@ -86,6 +86,8 @@ def task_of(category: str) -> str:
 
 
 def read_questions(path: Path) -> list[Question]:
+    """Spec-Bench rows (question_id, category, turns), or the held-out path files of data/draftq/heldout (id,
+    split_key: the instruction), which become one-turn questions of the task `heldout`."""
     if not path.exists():
         raise ConfigError(f"questions file {path} does not exist (pass --questions PATH)")
     rows = []
@@ -94,6 +96,8 @@ def read_questions(path: Path) -> list[Question]:
             continue
         try:
             row = json.loads(line)
+            if "turns" not in row and "split_key" in row:  # a held-out path: its instruction is the question
+                row = {"question_id": row["id"], "category": "heldout", "turns": [row["split_key"]]}
             turns = tuple(str(t) for t in row["turns"])
             rows.append(Question(row["question_id"], str(row["category"]), task_of(str(row["category"])), turns))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:

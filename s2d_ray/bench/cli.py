@@ -5,6 +5,7 @@ and the prepared GPU measurements (the served app on one GPU among them)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -56,6 +57,9 @@ def _register_spec(bench) -> None:
     p.add_argument("--tie-tolerance", type=float, default=0.01,
                    help="a greedy mismatch whose two tokens' target logits differ by less than this (plus 4 ulps of "
                    "the logit in 16-bit dtypes) is a rounding near-tie")
+    p.add_argument("--busy-neighbour", action="store_true",
+                   help="also run every method beside a CPU-bound process on one core (`<method>+busy`), alone and "
+                   "beside interleaved per question")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/spec-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_spec)
@@ -65,6 +69,7 @@ def run_spec(args: argparse.Namespace) -> int:
     from ..build import build_draft, load_profile, load_target, set_threads
     from ..hardware import load_average, machine_info
     from .methods import default_method_names, make_methods
+    from .neighbour import BesideNeighbour, BusyNeighbour
     from .report import markdown_tables, write_outputs
     from ..prompts import read_questions, select_questions
     from .spec import SpecRun, default_questions_path, run_target
@@ -84,13 +89,17 @@ def run_spec(args: argparse.Namespace) -> int:
     set_threads(args.threads)  # before machine_info() records the thread count
     meta["machine"] = machine_info()
     records: list[dict] = []
-    for name in args.target or [DEFAULT_TARGET]:
-        cfg = engine_config(args, name, "s2d")
-        target = load_target(cfg)
-        names = args.methods or default_method_names(build_draft(cfg, target, load_profile(cfg)).spec.exit_layers)
-        methods = make_methods(names, cfg, target)
-        meta.setdefault("methods", {})[name] = [m.name for m in methods]
-        records += run_target(name, target, methods, questions, run)
+    meta["busy_neighbour"] = args.busy_neighbour
+    with BusyNeighbour() if args.busy_neighbour else contextlib.nullcontext() as neighbour:
+        for name in args.target or [DEFAULT_TARGET]:
+            cfg = engine_config(args, name, "s2d")
+            target = load_target(cfg)
+            names = args.methods or default_method_names(build_draft(cfg, target, load_profile(cfg)).spec.exit_layers)
+            methods = make_methods(names, cfg, target)
+            if neighbour is not None:
+                methods += [BesideNeighbour(m, neighbour) for m in methods]
+            meta.setdefault("methods", {})[name] = [m.name for m in methods]
+            records += run_target(name, target, methods, questions, run)
     meta["load_average_end"] = load_average()
     sys.stdout.write(markdown_tables(write_outputs(out, meta, records)))
     sys.stdout.write(f"\nwrote {out}/results.json, tables.md, speedup.png, exit_usage.png\n")
@@ -195,9 +204,10 @@ def _register_serve(bench) -> None:
                    "and alternate served and in-process runs of the same requests at concurrency 1 (--twin-pairs "
                    "times per variant): served / in-process, each pair minutes apart")
     p.add_argument("--twin-pairs", type=int, default=3, help="served / in-process pairs per variant with --twin")
-    p.add_argument("--workload", choices=["mixed", "shared-prefix", "repeated"], default="mixed",
+    p.add_argument("--workload", choices=["mixed", "shared-prefix", "repeated", "mt-bench"], default="mixed",
                    help="prompts: the mixed ones; each after one ~700-token system prompt; or the mixed list twice "
-                   "(set --requests to the prompt count for one pass each; see docs/CACHING.md)")
+                   "(set --requests to the prompt count for one pass each; see docs/CACHING.md); or MT-Bench's two-turn chats, turn "
+                   "2 carrying turn 1's answer, its TTFT reported apart (a request = a chat)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, median
 
+from .neighbour import BUSY
 from .spec import BASELINE
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,10 @@ def per_question(records: list[dict]) -> dict[tuple, dict]:
 
 
 def is_plain(method: str) -> bool:
-    """Plain (non-speculative) decoding baselines: transformers generate in any dtype, and our own `ar`."""
+    """Plain (non-speculative) decoding baselines: transformers generate in any dtype, and our own `ar` (run alone:
+    a method beside a busy neighbour is measured against them, not one of them)."""
+    if method.endswith(BUSY):
+        return False
     return method == AR or method == BASELINE or method.startswith(BASELINE + ":")
 
 
@@ -74,6 +78,8 @@ def _row(qs: dict, target: str, method: str, ids: list) -> dict:
             exits[e] += n
     n_exit = sum(exits.values())
     speedup = _mean_ratio(qs, method, BASELINE, target, ids)
+    # Beside a busy neighbour: the same method's speed there over its speed alone, per question.
+    vs_alone = _mean_ratio(qs, method, method[: -len(BUSY)], target, ids) if method.endswith(BUSY) else None
     vs_ar = _mean_ratio(qs, method, AR, target, ids) if any((target, AR, i) in qs for i in ids) else None
     # Against the FASTEST plain decoding a user could pick: every hf-generate variant (fp32, bf16) and our ar.
     plain = sorted({m for (t, m, _i) in qs if t == target and is_plain(m)})
@@ -88,6 +94,7 @@ def _row(qs: dict, target: str, method: str, ids: list) -> dict:
         "tokens_per_second": mean(r["tps"] for r in rows),
         "speedup": speedup,
         "speedup_vs_ar": vs_ar,
+        "busy_vs_alone": vs_alone,
         "speedup_vs_best_baseline": min(vs_plain) if vs_plain else None,
         # one load spike on a baseline generation inflates a mean of ratios; the median shows it
         "speedup_median": median(r) if (r := _ratios(qs, method, BASELINE, target, ids)) else None,
@@ -154,7 +161,10 @@ def markdown_tables(summary: dict) -> str:
                      f"{_f(r['speedup_vs_best_baseline'], '{:.2f}x')} | {_f(r['mat'])} | "
                      f"{_f(r['acceptance_rate'], '{:.1%}')} | {_exits(r['exit_usage'])} | {_split(r['time_split'])} | "
                      f"{_equal(r)} |" for m, r in rows.items()]
-            parts.append(f"### {target} / {task} ({n} questions)\n\n{head}" + "\n".join(lines) + "\n")
+            busy = ", ".join(f"{m[: -len(BUSY)]} {_f(r['busy_vs_alone'], '{:.2f}x')}" for m, r in rows.items()
+                             if r.get("busy_vs_alone") is not None)
+            note = f"\nBeside a busy neighbour / alone: {busy}.\n" if busy else ""
+            parts.append(f"### {target} / {task} ({n} questions)\n\n{head}" + "\n".join(lines) + "\n" + note)
     return "\n".join(parts)
 
 

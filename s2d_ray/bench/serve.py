@@ -18,6 +18,7 @@ from typing import Protocol
 
 from ..config import SPEC_BENCH_QUESTIONS, optional_data_file
 from ..prompts import read_questions, select_questions
+from .mt_bench import TwoTurns, mt_bench_chats, two_turns
 from .server_clocks import timing_delta
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ _RULES = [
 ]
 SHARED_SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(
     f"Rule {i + 1}: {_RULES[i % len(_RULES)]}." for i in range(28))
-WORKLOADS = ("mixed", "shared-prefix", "repeated")
+WORKLOADS = ("mixed", "shared-prefix", "repeated", "mt-bench")
 
 
 def workload_prompts(workload: str, base: list[str]) -> list[str]:
@@ -55,6 +56,8 @@ def workload_prompts(workload: str, base: list[str]) -> list[str]:
         return [f"{SHARED_SYSTEM_PROMPT}\n\nQuestion: {p}" for p in base]
     if workload == "repeated":
         return base + base
+    if workload == "mt-bench":  # two-turn chats (bench/mt_bench.py): `base` does not apply
+        return mt_bench_chats()
     if workload != "mixed":
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     return list(base)
@@ -107,6 +110,8 @@ class RequestResult:
     error: str | None = None
     prompt_index: int | None = None  # which of the run's prompts
     token_ids: list[int] | None = None  # generated ids, with LoadRun.return_token_ids
+    text: str = ""  # the generated text (an MT-Bench turn 2 carries turn 1's)
+    turn: int | None = None  # 1 or 2 in the mt-bench workload
 
 
 def mixed_prompts(questions: Path | None, max_chars: int = 4000) -> list[str]:
@@ -144,6 +149,7 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
     gaps: list[float] = []
     chunks, usage_tokens = 0, None
     ids: list[int] | None = [] if run.return_token_ids else None
+    texts: list[str] = []
     try:
         async with client.stream("POST", run.url.rstrip("/") + "/v1/completions", json=body,
                                  timeout=run.timeout) as resp:
@@ -167,7 +173,8 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
                             ids = None  # a server without the extension: nothing to compare
                             break
                         ids += c["token_ids"]
-                if "".join(c.get("text") or "" for c in chunk.get("choices") or []):
+                texts.append("".join(c.get("text") or "" for c in chunk.get("choices") or []))
+                if texts[-1]:
                     now = time.perf_counter()
                     if last is not None:
                         gaps.append(now - last)
@@ -176,7 +183,8 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
     except Exception as exc:  # network errors, timeouts, bad JSON: counted, never fatal to the run
         return RequestResult(False, time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:200])
     ttft = first - t0 if first is not None else None
-    return RequestResult(True, time.perf_counter() - t0, ttft, usage_tokens or chunks, gaps, token_ids=ids)
+    return RequestResult(True, time.perf_counter() - t0, ttft, usage_tokens or chunks, gaps, token_ids=ids,
+                         text="".join(texts))
 
 
 async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
@@ -192,9 +200,14 @@ async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
         while next_index[0] < budget and time.perf_counter() < deadline:
             i = next_index[0]
             next_index[0] += 1
-            result = await one_request(client, run, prompts[i % len(prompts)], model)
-            result.prompt_index = i % len(prompts)
-            results.append(result)
+            item = prompts[i % len(prompts)]
+            if isinstance(item, TwoTurns):  # mt-bench: one chat, two requests
+                done = await two_turns(lambda prompt: one_request(client, run, prompt, model), item)
+            else:
+                done = [await one_request(client, run, item, model)]
+            for result in done:
+                result.prompt_index = i % len(prompts)
+                results.append(result)
 
     tasks = [asyncio.create_task(worker(models[w % len(models)] if models else None)) for w in range(concurrency)]
     _, pending = await asyncio.wait(tasks, timeout=run.max_seconds + run.timeout)
@@ -214,12 +227,24 @@ def level_summary(concurrency: int, results: list[RequestResult], wall: float) -
         "concurrency": concurrency, "sent": len(results), "completed": len(ok), "errors": len(results) - len(ok),
         "wall_seconds": wall, "output_tokens": tokens, "throughput_tokens_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
-        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
-        "itl_ms_p50": ms(percentile(gaps, 50)), "itl_ms_p99": ms(percentile(gaps, 99)),
+        "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p90": ms(percentile(ttft, 90)),
+        "ttft_ms_p99": ms(percentile(ttft, 99)),
+        "itl_ms_p50": ms(percentile(gaps, 50)), "itl_ms_p90": ms(percentile(gaps, 90)),
+        "itl_ms_p99": ms(percentile(gaps, 99)),
         "tpot_ms_p50": ms(percentile(tpot, 50)), "tpot_ms_p99": ms(percentile(tpot, 99)),
         "latency_ms_p50": ms(percentile([r.latency for r in ok], 50)),
         "error_samples": sorted({r.error for r in results if r.error})[:3],
+        **turn2_ttft(ok),
     }
+
+
+def turn2_ttft(ok: list[RequestResult]) -> dict:
+    """TTFT of MT-Bench turn-2 requests alone (their prompts carry turn 1 and its answer); {} for other workloads."""
+    ttft = [r.ttft for r in ok if r.turn == 2 and r.ttft is not None]
+    if not ttft:
+        return {}
+    return {"turn2_completed": len(ttft), "turn2_ttft_ms_p50": 1e3 * percentile(ttft, 50),
+            "turn2_ttft_ms_p90": 1e3 * percentile(ttft, 90)}
 
 
 async def server_timing(client, run: LoadRun) -> dict | None:
@@ -255,7 +280,9 @@ async def run_load(run: LoadRun, prompts: list[str], twin: InProcessTwin | None 
     async with httpx.AsyncClient(limits=limits, trust_env=False, headers=headers) as client:
         for label, speculate in variants:
             for i in range(run.warmup):
-                got = await one_request(client, replace(run, speculate=speculate), prompts[i % len(prompts)])
+                item = prompts[i % len(prompts)]  # an mt-bench chat warms up with its first turn
+                got = await one_request(client, replace(run, speculate=speculate),
+                                        item.prompt() if isinstance(item, TwoTurns) else item)
                 warmup.append({"variant": label, "ok": got.ok, "latency": got.latency, "tokens": got.tokens,
                                "error": got.error})
         for c in run.concurrency:
@@ -267,7 +294,7 @@ async def run_load(run: LoadRun, prompts: list[str], twin: InProcessTwin | None 
                 clocks = await server_timing(client, run)
                 t0 = time.perf_counter()
                 results = await run_level(client, level, c, prompts)
-                sent = len(results) if label == "speculative" else sent
+                sent = sum(r.turn != 2 for r in results) if label == "speculative" else sent  # a chat counts once
                 wall = time.perf_counter() - t0
                 server = timing_delta(clocks, await server_timing(client, run))
                 summary.append({**level_summary(c, results, wall), **({"variant": label} if label else {}),
@@ -409,6 +436,7 @@ def compared_levels(result: dict) -> list[tuple[int, float, float]]:
 
 
 def plot_load(result: dict, path: Path) -> Path:
+    """Throughput, S2D / plain per level (with `--compare-plain`) and latency percentiles by concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -416,9 +444,11 @@ def plot_load(result: dict, path: Path) -> Path:
 
     s = [x for x in result["summary"] if x.get("variant") in (None, "speculative")]
     c = [x["concurrency"] for x in s]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.plot(c, [x["throughput_tokens_per_s"] for x in s], marker="o", label="speculative")
     plain = [x for x in result["summary"] if x.get("variant") == "plain"]
+    levels = compared_levels(result)
+    fig, axes = plt.subplots(1, 3 if levels else 2, figsize=(16 if levels else 11, 4))
+    a, b = axes[0], axes[-1]
+    a.plot(c, [x["throughput_tokens_per_s"] for x in s], marker="o", label="speculative")
     if plain:
         a.plot([x["concurrency"] for x in plain], [x["throughput_tokens_per_s"] for x in plain], marker="s",
                label="plain (speculate: false)")
@@ -427,10 +457,18 @@ def plot_load(result: dict, path: Path) -> Path:
     a.set_xlabel("concurrent requests")
     a.set_ylabel("output tokens/s")
     a.set_title("throughput")
+    if levels:
+        r = axes[1]
+        r.plot([lv for lv, _, _ in levels], [sp / pl if pl else float("nan") for _, sp, pl in levels], marker="o")
+        r.axhline(1.0, color="grey", lw=0.8, ls=":")
+        r.set_xscale("log", base=2)
+        r.set_xlabel("concurrent requests")
+        r.set_ylabel("speculative / plain tok/s")
+        r.set_title("S2D / plain")
     seen = []
     for key, style in (("ttft_ms", "-"), ("itl_ms", "--")):
-        for q in ("p50", "p99"):
-            ys = [x[f"{key}_{q}"] for x in s]
+        for q in ("p50", "p90", "p99"):
+            ys = [x.get(f"{key}_{q}") for x in s]
             seen += [y for y in ys if y]
             b.plot(c, [y or float("nan") for y in ys], style, marker="o", label=f"{key[:-3]} {q}")
     b.set_xscale("log", base=2)
@@ -438,7 +476,7 @@ def plot_load(result: dict, path: Path) -> Path:
         b.set_yscale("log")
     b.set_xlabel("concurrent requests")
     b.set_ylabel("ms")
-    b.set_title("latency")
+    b.set_title("latency (speculative)")
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Callable, TypeVar, get_args
 
-from ..config import DEFAULT_DRAFT, DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, TargetConfig
+from ..config import (
+    DEFAULT_DRAFT, DEFAULT_TARGET, DType, DraftConfig, EngineConfig, SpecConfig, SuffixConfig, TargetConfig,
+)
 from ..errors import RequestError
 from ..hardware import resolve_dtype
 
@@ -60,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
                    help="distinct prompt-lookup continuations per round, as tree branches (default: the profile's, "
                    "else 1)")
     p.add_argument("--max-nodes", type=int, default=None, help="most tree nodes verified per sequence and round")
+    p.add_argument("--suffix-tokens", type=int, default=None, metavar="N",
+                   help="draft from earlier outputs too: keep up to N tokens of finished outputs and propose what "
+                   "followed the longest match (docs/CACHING.md); default: off")
     p.add_argument("--exits", type=INTS, default=None, help="override the draft's exits, e.g. 2,4,6")
     p.add_argument("--thresholds", type=FLOATS, default=None, help="override thresholds, e.g. 0.5,0.5,0")
     p.add_argument("--stop-confidence", type=float, default=0.0,
@@ -72,6 +77,12 @@ def add_engine_args(p: argparse.ArgumentParser, multi_target: bool = False, mode
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--wide-threads", type=int, default=None,
                    help="torch threads for passes of >= 16 positions (prompts, trees, big batches); default: --threads")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="always --threads / --wide-threads (default: each pass on the count measured fastest for it, "
+                   "which keeps decoding going beside a CPU-bound neighbour)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: greedy output equals plain greedy decoding bit for bit and repeats "
+                   "run to run, in bf16 too (slower)")
 
 
 def engine_config(args: argparse.Namespace, target: str | None = None, mode: str | None = None) -> EngineConfig:
@@ -81,8 +92,19 @@ def engine_config(args: argparse.Namespace, target: str | None = None, mode: str
         draft=DraftConfig(source=args.draft, exit_layers=args.exits, thresholds=args.thresholds,
                           stop_confidence=args.stop_confidence),
         spec=spec_config(args, mode or args.mode),
-        num_threads=args.threads, wide_threads=args.wide_threads,
+        num_threads=args.threads, wide_threads=args.wide_threads, adaptive_threads=not getattr(args, "fixed_threads", False),
+        suffix=suffix_config(getattr(args, "suffix_tokens", None)),
+        deterministic=getattr(args, "deterministic", False),
     )
+
+
+def suffix_config(max_tokens: int | None) -> SuffixConfig:
+    """--suffix-tokens N: the store of earlier outputs, N tokens (absent: off)."""
+    if max_tokens is None:
+        return SuffixConfig()
+    if max_tokens < 1:
+        raise RequestError(f"--suffix-tokens is {max_tokens}; it must be >= 1 (leave it out for no store)")
+    return SuffixConfig(enabled=True, max_tokens=max_tokens)
 
 
 SPEC_FLAGS = ("policy", "k", "width", "lookup", "max_nodes", "frontier", "lookup_candidates")

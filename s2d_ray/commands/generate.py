@@ -75,7 +75,8 @@ def _generate(args: argparse.Namespace, results) -> int:
             out = tok.decode(res.token_ids, skip_special_tokens=True)
             if args.json:
                 row = {"prompt": text, "text": out, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-                       "metrics": {**res.metrics, **built.engine.verifier.prefix_cache_stats()}}  # cache: so far
+                       "metrics": {**res.metrics, **built.engine.verifier.prefix_cache_stats(),  # caches: so far
+                                   **(built.engine.suffix.stats() if built.engine.suffix is not None else {})}}
                 if res.logprobs is not None:
                     row["logprobs"] = [{"token_id": e.token, "logprob": e.logprob,
                                         "top": [[i, max(v, -9999.0)] for i, v in e.top]} for e in res.logprobs]

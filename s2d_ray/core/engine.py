@@ -35,6 +35,7 @@ from .policy import DraftLengthPolicy, HeuristicK
 from .processors import LogitsProcessor, process_rows, prune_banned
 from .sampling import Sampler, rejection_sample, round_generator
 from .steps import stepped_scores
+from .suffix import SuffixStore
 from .target import Verifier
 from .tree import TokenTree, accept_tree
 from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
@@ -53,6 +54,9 @@ class GenerationRequest:
     speculate: bool = True  # False: plain target steps for this sequence (no draft, no lookup), the per-request opt-out
     # Applied to every target row with that row's own history (core/processors.py): penalties, biases, bans, grammar.
     processors: tuple[LogitsProcessor, ...] = ()
+    # Whose earlier outputs this request drafts from and adds its own to (core/suffix.py): "" is the shared scope;
+    # the server passes one per API key when the store is scoped.
+    suffix_scope: str = ""
 
 
 @dataclass
@@ -108,8 +112,11 @@ class SpecEngine:
         detokenize: Callable[[list[int]], str] | None = None,
         budget: SpeculationBudget | None = None,
         plain_steps: int = 1,
+        suffix: SuffixStore | None = None,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
+        # Earlier outputs as candidates (the drafter reads the same store); finished outputs are added here.
+        self.suffix = suffix
         # Greedy steps per verifier call in a round where no row has draft tokens (ScoreRequest.steps): the router
         # asks for several (each call costs a deployment round trip); one step per call gives the same tokens.
         self.plain_steps = plain_steps
@@ -222,7 +229,7 @@ class SpecEngine:
                 k = 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
                                        tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
-                                       frontier=frontier))
+                                       frontier=frontier, suffix_scope=seq.req.suffix_scope))
         return drafts
 
     def _remaining(self, seq: _Sequence) -> int:
@@ -344,6 +351,8 @@ class SpecEngine:
             if seq.finish_reason is not None:
                 seq.metrics.total_seconds = time.perf_counter() - seq.started
                 metrics = seq.metrics.to_dict()
+                if self.suffix is not None and seq.req.speculate:  # an opted-out request neither reads nor adds
+                    self.suffix.finished(seq.req.suffix_scope, seq.req.prompt_ids, seq.generated)
                 del self.seqs[seq.req.seq_id]
                 self._release(seq.req.seq_id)
             outputs.append(StepOutput(seq.req.seq_id, emitted, seq.finish_reason is not None, seq.finish_reason,

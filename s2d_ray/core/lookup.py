@@ -1,5 +1,5 @@
-"""Free candidates: prompt lookup (n-gram matching over the sequence itself), and the drafter that combines it with
-the sorted draft into one token tree per sequence.
+"""Free candidates: prompt lookup (n-gram matching over the sequence itself), and the drafter that combines it and
+earlier outputs (core/suffix.py) with the sorted draft into one token tree per sequence.
 
 Lookup costs no model forward: find the longest suffix of the sequence (up to `max_ngram` tokens) that occurred
 earlier, and propose what followed its most recent occurrence (transformers' prompt_lookup_num_tokens; Saxena 2023).
@@ -15,6 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from .suffix import SuffixMatch, SuffixStore
 from .tree import LOOKUP, LOOKUP_BRANCH, TokenTree
 from .types import DraftRequest, Proposal
 
@@ -79,20 +80,28 @@ class PromptLookup:
 
 
 class TreeDrafter:
-    """Lookup + sorted draft, merged into one token tree per sequence (configuration, not a code path).
+    """Lookup + earlier outputs + sorted draft, merged into one token tree per sequence (configuration, not a code
+    path).
 
-    A sequence whose lookup match is at least `alone_ngram` tokens long is proposed from lookup alone, without the
-    draft forward (TensorRT-LLM's hybrid rule); the others get the draft's tree with the lookup chain merged in.
-    `draft` may be in-process or remote (its propose may return an awaitable; then so does this one).
+    A sequence whose lookup match is at least `alone_ngram` tokens long (or whose match in the store of earlier
+    outputs is at least the store's `alone_ngram`) is proposed from those candidates alone, without the draft forward
+    (TensorRT-LLM's hybrid rule); the others get the draft's tree with the candidates merged in. `draft` may be
+    in-process or remote (its propose may return an awaitable; then so does this one).
     """
 
-    def __init__(self, draft: Any | None, lookup: PromptLookup | None, alone_ngram: int = 4) -> None:
-        self.draft, self.lookup, self.alone_ngram = draft, lookup, alone_ngram
+    def __init__(self, draft: Any | None, lookup: PromptLookup | None, alone_ngram: int = 4,
+                 suffix: SuffixStore | None = None) -> None:
+        self.draft, self.lookup, self.alone_ngram, self.suffix = draft, lookup, alone_ngram, suffix
 
     def propose(self, requests: list[DraftRequest]) -> Any:
-        matches = [self.lookup.matches(r) if self.lookup and r.tree else [] for r in requests]
-        need = [i for i, (r, m) in enumerate(zip(requests, matches))
-                if self.draft is not None and r.k > 0 and not (m and m[0].ngram >= self.alone_ngram)]
+        matches, alone = [], []
+        for r in requests:
+            own = self.lookup.matches(r) if self.lookup and r.tree else []
+            stored = self.suffix.matches(r) if self.suffix is not None and r.tree else []
+            alone.append(bool(own and own[0].ngram >= self.alone_ngram)
+                         or bool(stored and stored[0].ngram >= self.suffix.spec.alone_ngram))
+            matches.append(merge_matches(own, stored))
+        need = [i for i, r in enumerate(requests) if self.draft is not None and r.k > 0 and not alone[i]]
         sub = [requests[i] for i in need]
         drafted = self.draft.propose(sub) if sub else []
         if inspect.isawaitable(drafted):
@@ -106,7 +115,19 @@ class TreeDrafter:
             self.draft.release(seq_id)
 
 
-def add_lookup(tree: TokenTree, matches: list[LookupMatch]) -> None:
+def merge_matches(own: list[LookupMatch], stored: list[SuffixMatch]) -> list[LookupMatch | SuffixMatch]:
+    """The request's own lookup candidates and the store's as one list, the longest matched suffix first (ties: the
+    request's own text first); a continuation that is a prefix of one already taken is dropped."""
+    if not stored:
+        return own
+    out: list[LookupMatch | SuffixMatch] = []
+    for m in sorted(own + stored, key=lambda m: -m.ngram):
+        if not any(o.tokens[:len(m.tokens)] == m.tokens for o in out):
+            out.append(m)
+    return out
+
+
+def add_lookup(tree: TokenTree, matches: list[LookupMatch | SuffixMatch]) -> None:
     """Lookup candidates into a tree: the first continuation marked LOOKUP, the others LOOKUP_BRANCH (the budget
     learns their acceptance apart: an older occurrence's continuation is accepted less often); the tree records the
     first one's matched suffix length (`match_ngram`), by which the budget values the LOOKUP nodes."""
@@ -117,7 +138,7 @@ def add_lookup(tree: TokenTree, matches: list[LookupMatch]) -> None:
         tree.add_path(m.tokens, [mark] * len(m.tokens), [0.0] * len(m.tokens))
 
 
-def _merge(requests: list[DraftRequest], matches: list[list[LookupMatch]], need: list[int],
+def _merge(requests: list[DraftRequest], matches: list[list[LookupMatch | SuffixMatch]], need: list[int],
            drafted: list[Proposal]) -> list[Proposal]:
     out = [Proposal.empty() for _ in requests]
     for i, prop in zip(need, drafted):

@@ -8,6 +8,8 @@ token prefix a caller sends cuts those counts back to the common prefix, which i
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import inspect
 import logging
@@ -23,7 +25,7 @@ from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
 from .errors import CapacityError, ModelLoadError
 from .kernels import STOCK, AttentionShape, Kernels
 from .prefix_cache import PrefixCacheSpec, RetiredRows
-from .threads import intra_op_threads, pass_threads
+from .threads import AdaptiveThreads, intra_op_threads, pass_threads, size_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +123,11 @@ class LayerStack(nn.Module):
         attention = kernels.attention(self.layers, AttentionShape(parts.num_heads, parts.num_kv_heads, parts.head_dim,
                                                                   self.dtype, self.device))
         self.grouped, self.sdpa_kernel = attention.grouped, attention.sdpa
+        self.row_invariant = attention.row_invariant  # each query row alone, as a decode step computes it
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
         self.wide_threads: int | None = None  # intra-op threads for wide passes (core/threads.py); None: as is
+        self.threads: AdaptiveThreads | None = None  # each pass's thread count from its measured times (CPU)
         self._head_fast: nn.Module | None = None  # the reduced-vocabulary head's rows on a faster kernel
         self._projections_chosen = False
 
@@ -152,6 +156,8 @@ class LayerStack(nn.Module):
         runs the same padded forwards eagerly: how the CPU tests their exactness."""
         from .graphs import SegmentGraphs
 
+        if self.row_invariant:  # graphs pad passes to shape buckets, and per-row attention sizes itself on the host
+            return
         self.graphs = SegmentGraphs(self, self.device.type == "cuda" if capture is None else capture)
 
     @property
@@ -177,6 +183,10 @@ class LayerStack(nn.Module):
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head alone, on normed hidden states (a reduced-vocabulary head: -inf outside its subset)."""
+        with self.pass_threads(("head", size_bucket(normed.shape[:-1].numel())), None):
+            return self._head_logits(normed)
+
+    def _head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         if self.vocab_ids is None:
             # [tokens, h] goes in as [1, tokens, h]: AutoTP's sharded LM head slices a [batch, seq, h] input.
             return self.parts.head(normed[None])[0] if normed.dim() == 2 else self.parts.head(normed)
@@ -207,9 +217,15 @@ class LayerStack(nn.Module):
         groups = None
         if self.grouped and (plan := plan_kv_groups(lengths)) is not None:
             groups = [(torch.tensor(g, device=x.device), max(lengths[i] for i in g)) for g in plan]
-        with intra_op_threads(pass_threads(self.wide_threads, positions.numel())):
+        most = pass_threads(self.wide_threads, positions.numel())
+        with self.pass_threads((seg, size_bucket(positions.numel())), most):
             return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache,
                                    groups, runs)
+
+    def pass_threads(self, key: tuple, most: int | None) -> contextlib.AbstractContextManager:
+        """The block on `most` threads (None: the thread's own count), or on the count `threads` measured fastest
+        for passes of kind `key`."""
+        return intra_op_threads(most) if self.threads is None else self.threads.run(key, most)
 
     def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor,
                    cache: SlotKVCache, kv_groups: list[tuple[torch.Tensor, int]] | None = None,
@@ -229,6 +245,8 @@ class LayerStack(nn.Module):
             extra["kv_runs"] = kv_runs
         if self.sdpa_kernel:
             extra["sdpa"] = True
+        if self.row_invariant:
+            extra["row_invariant"] = True
         for layer in self.layers[lo:hi]:
             out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin, **extra)
             x = out[0] if isinstance(out, tuple) else out

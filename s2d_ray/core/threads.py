@@ -7,6 +7,11 @@ draft forward: a round drafts, then verifies."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Iterator
 
 import torch
@@ -34,3 +39,77 @@ def intra_op_threads(n: int | None) -> Iterator[None]:
 def pass_threads(wide_threads: int | None, positions: int) -> int | None:
     """The thread count a pass over `positions` positions runs with (None: the thread's own)."""
     return wide_threads if wide_threads and positions >= WIDE_PASS_POSITIONS else None
+
+
+class AdaptiveThreads:
+    """Chooses each pass's intra-op thread count from how fast passes of its shape actually ran.
+
+    Alone, more threads speed every pass; beside a CPU-bound neighbour a pass split over all cores waits at every
+    barrier for the thread the neighbour descheduled, and runs several times slower than on one core. So each pass
+    kind (`key`: a segment and a size bucket) keeps its last few times per candidate count, runs on the fastest, and
+    re-times the others now and then (every `probe_every` passes, and at once when a pass takes `jump` times its usual
+    time): the count follows what the process actually gets. One instance per stack, used from one thread."""
+
+    def __init__(self, probe_every: int = 32, window: int = 3, jump: float = 3.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.probe_every, self.window, self.jump, self.clock = probe_every, window, jump, clock
+        self._times: dict[Hashable, dict[int, deque[float]]] = {}
+        self._calls: dict[Hashable, int] = {}
+        self._probe: set[Hashable] = set()  # keys whose next pass re-times another count (a jump was seen)
+        self._timed_at: dict[tuple[Hashable, int], int] = {}  # when each (key, count) was last timed
+        self._tick = itertools.count()
+
+    @staticmethod
+    def candidates(most: int) -> list[int]:
+        """All of `most`, half of them and one thread: the counts worth trying."""
+        return sorted({most, max(1, most // 2), 1}, reverse=True)
+
+    def choose(self, key: Hashable, most: int) -> int:
+        """The thread count this pass of kind `key` runs with (at most `most`)."""
+        counts = self.candidates(most)
+        times = self._times.setdefault(key, {})
+        for n in counts:  # every candidate timed once first, the widest first
+            if not times.get(n):
+                return n
+        best = min(counts, key=lambda n: statistics.median(times[n]))
+        calls = self._calls[key] = self._calls.get(key, 0) + 1
+        if key in self._probe or calls % self.probe_every == 0:
+            self._probe.discard(key)
+            others = [n for n in counts if n != best]
+            return min(others, key=lambda n: self._timed_at.get((key, n), -1))
+        return best
+
+    def record(self, key: Hashable, threads: int, seconds: float) -> None:
+        """A pass of kind `key` on `threads` threads took `seconds`."""
+        times = self._times.setdefault(key, {}).setdefault(threads, deque(maxlen=self.window))
+        if len(times) == self.window and seconds > self.jump * statistics.median(times):
+            self._probe.add(key)
+        times.append(seconds)
+        self._timed_at[(key, threads)] = next(self._tick)
+
+    @contextlib.contextmanager
+    def run(self, key: Hashable, most: int | None = None) -> Iterator[None]:
+        """Run the block on the count chosen for `key` (at most `most`, default torch's current count) and time it."""
+        most = most or torch.get_num_threads()
+        if most <= 1:
+            yield
+            return
+        n = self.choose(key, most)
+        start = self.clock()
+        with intra_op_threads(n):
+            yield
+        self.record(key, n, self.clock() - start)
+
+    def chosen(self) -> dict[str, int]:
+        """How many pass kinds currently run on each count (stats and /health)."""
+        out: dict[str, int] = {}
+        for times in self._times.values():
+            if all(times.values()):
+                best = min(times, key=lambda n: statistics.median(times[n]))
+                out[f"threads_{best}"] = out.get(f"threads_{best}", 0) + 1
+        return out
+
+
+def size_bucket(positions: int) -> int:
+    """Passes over 1, 2, 3-4, 5-8, ... positions share timings: the next power of two."""
+    return 1 << max(0, positions - 1).bit_length()

@@ -25,7 +25,7 @@ import torch
 from .sampling import logits_to_probs, sample
 from .types import Proposal, SamplingParams
 
-LOOKUP = 0  # `exits` value of a node proposed by n-gram lookup (draft exits are layer numbers >= 1)
+LOOKUP = 0  # `exits` of a node n-gram lookup proposed, over the request's text or earlier outputs (draft exits >= 1)
 LOOKUP_BRANCH = -1  # a node only lookup's other continuations proposed (an older occurrence; accepted less often)
 
 

@@ -40,6 +40,8 @@ class DraftRequest:
     # One exit threshold per draft exit for this row (a target's calibration profile); None: the drafter's own.
     # Per row, so targets whose profiles differ only in thresholds share one draft forward.
     thresholds: tuple[float, ...] | None = None
+    # Tree only: whose earlier outputs this row may draft from (core/suffix.py; "" is the shared scope).
+    suffix_scope: str = ""
 
 
 @dataclass

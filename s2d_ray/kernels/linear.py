@@ -220,12 +220,21 @@ def packed(linear: nn.Linear, several: bool = True, one_row: bool = False) -> Pa
 
 def with_packed_linears(module: nn.Module, chosen) -> nn.Module:
     """A structural copy of `module` whose Linear children `chosen(linear)` -> (several, one_row) packs for either are
-    PackedLinear; every parameter, buffer and untouched submodule is shared with the original, which is left as it was
-    (a Hugging Face model's own forward and `generate` keep the stock kernels)."""
+    PackedLinear (`with_linears`)."""
+    def wrap(linear: nn.Linear) -> nn.Module:
+        several, one_row = chosen(linear)
+        return packed(linear, several, one_row) if several or one_row else linear
+
+    return with_linears(module, wrap)
+
+
+def with_linears(module: nn.Module, wrap) -> nn.Module:
+    """A structural copy of `module` whose Linear children are `wrap(linear)`; every parameter, buffer and untouched
+    submodule is shared with the original, which is left as it was (a Hugging Face model's own forward and `generate`
+    keep the stock kernels)."""
     if type(module) is nn.Linear:
-        several, one_row = chosen(module)
-        return packed(module, several, one_row) if several or one_row else module
-    children = {name: with_packed_linears(child, chosen) if child is not None else None
+        return wrap(module)
+    children = {name: with_linears(child, wrap) if child is not None else None
                 for name, child in module._modules.items()}
     if all(children[name] is child for name, child in module._modules.items()):
         return module

@@ -83,6 +83,18 @@ def kv_capacity(budget_bytes: int, weight_bytes: int, token_bytes: int, max_slot
     return Capacity(min(max_rows, int(fit)), max_slots, budget_bytes, weight_bytes, row_bytes)
 
 
+def check_prefix_budget(max_tokens: int, budget_bytes: int, weight_bytes: int, token_bytes: int,
+                        what: str = "target") -> None:
+    """The prefix cache's token budget must fit in the memory left after the weights: kept rows are KV like live
+    ones, so a budget past that would be a promise the replica cannot keep (a configuration error at deploy)."""
+    fit = max(0, (budget_bytes - weight_bytes) // token_bytes)
+    if max_tokens > fit:
+        raise ConfigError(
+            f"prefix_cache.max_tokens: {max_tokens} tokens of KV ({max_tokens * token_bytes / GIB:.2f} GiB) do not "
+            f"fit {what}'s memory budget {budget_bytes / GIB:.2f} GiB less {weight_bytes / GIB:.2f} GiB of weights "
+            f"(at most {fit} tokens); fix: lower prefix_cache.max_tokens or raise memory_fraction")
+
+
 def host_memory_bytes() -> int:
     """This machine's RAM (what `memory_fraction` takes a share of on the CPU)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

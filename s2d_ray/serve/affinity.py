@@ -14,15 +14,46 @@ counted as `s2d_recomputed_tokens_total`).
 Why not one key per router: hashed onto replicas, replicas idle with fewer routers than replicas and two routers can
 land on one replica. Why not every sequence hashed over all replicas: each router's batch would split over replicas
 other routers also use, so forwards carry fewer rows (RELIABILITY.md, "Scaling out").
+
+Prefix routing (`router.prefix_routing`) places a NEW sequence instead by the prompt it starts with, so that requests
+sharing a prefix (a system prompt, an earlier turn of a chat) land on the replica whose prefix cache holds it: the
+replica its first `block_tokens` prompt tokens rank highest by rendezvous hashing over ALL live replicas, unless this
+router already keeps `max_imbalance` more live sequences there than on its least loaded replica; then the next in that
+ranking under the bound. Every router ranks alike (the hash of the tokens and the replica ids; no shared state), so
+two routers send a prefix to one replica. The choice is pinned into the sequence's key (`pinned`), so its later rounds
+stay there as before, whatever the load does meanwhile. A prompt shorter than a block (too short to be cached) keeps
+the home rule. Ray's own `PrefixCacheAffinityRouter` does not fit: it routes whole requests by their text through a
+shared tree actor, where a call here is one round of many sequences, each already bound to its replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections import Counter
 from typing import Any, Awaitable, Callable
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from ..core.stack import common_prefix
+
+PIN = "|pin="  # in a sequence's key: the replica it was placed on (replica ids and sequence keys never hold it)
+
+
+class PrefixRoutingConfig(BaseModel):
+    """Where a router sends a new sequence (module docstring): by its prompt's first block, within a load bound."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Place each new sequence on the replica (of the target and of the draft) "
+                          "its prompt's first block hashes to, where earlier prompts sharing that block left their "
+                          "prefix in the cache; false: the router's home replicas, as for short prompts.")
+    block_tokens: int = Field(32, ge=1, description="Prompt tokens hashed (shorter prompts keep the home rule): "
+                              "the prefix cache keeps no row shorter than 32, and a longer block tells apart prompts "
+                              "that share only a chat template's header.")
+    max_imbalance: int = Field(4, ge=1, description="A router places a new sequence elsewhere once it keeps this many "
+                               "more live sequences on the preferred replica than on its least loaded one (per "
+                               "deployment): the bound on how unevenly one popular prefix loads the replicas.")
 
 
 def rendezvous_rank(key: str, replica_ids: list[str]) -> list[str]:
@@ -44,8 +75,35 @@ def home_replicas(replica_ids: list[str], rank: int, routers: int) -> list[str]:
     return [rid for j, rid in enumerate(ids) if j % routers == rank % routers]
 
 
+def pinned(key: str, replica: str) -> str:
+    """A sequence key that prefers `replica` first (while it is live)."""
+    return f"{key}{PIN}{replica}"
+
+
+def pin_of(key: str) -> str | None:
+    return key.rpartition(PIN)[2] if PIN in key else None
+
+
+def prefix_key(tokens: list[int], block: int) -> str | None:
+    """A stable digest of the first `block` tokens (None when there are fewer): equal in every process."""
+    if len(tokens) < block:
+        return None
+    return hashlib.blake2b(",".join(map(str, tokens[:block])).encode(), digest_size=8).hexdigest()
+
+
+def place_new(prefix: str, replica_ids: list[str], loads: dict[str, int], max_imbalance: int) -> str:
+    """The replica for a new sequence with this prefix key: the first in its rendezvous ranking whose load (live
+    sequences this router keeps there) is under the least loaded replica's plus `max_imbalance`."""
+    floor = min(loads.get(r, 0) for r in replica_ids)
+    return next(r for r in rendezvous_rank(prefix, replica_ids) if loads.get(r, 0) < floor + max_imbalance)
+
+
 def preferred_order(key: str, replica_ids: list[str], rank: int = 0, routers: int = 1) -> list[str]:
-    """Replica ids, most preferred first: the router's home replicas by rendezvous hashing of the key, then the rest."""
+    """Replica ids, most preferred first: a pinned key's replica, else the router's home replicas by rendezvous
+    hashing of the key; then the rest."""
+    pin = pin_of(key)
+    if pin in replica_ids:
+        return [pin] + rendezvous_rank(key, [r for r in replica_ids if r != pin])
     home = home_replicas(replica_ids, rank, routers)
     return rendezvous_rank(key, home) + rendezvous_rank(key, [r for r in replica_ids if r not in home])
 
@@ -98,6 +156,21 @@ def split_by_replica(keys: list[str | None], replica_ids: tuple[str, ...] | None
     return [(keys[idx[0]], idx) for idx in groups.values()]
 
 
+async def each_replica(handle: Any, call: Callable[[str | None], Awaitable[Any]]) -> list[Any]:
+    """`call(key)` once per live replica of the handle's deployment, each key pinned to one (stats of every
+    replica; a reply names its `replica`); one call without a key where the replica set is not known (a local
+    stand-in), or first, before this process's request router has seen the replicas."""
+    replicas = live_replicas(handle)
+    if not replicas:  # this process's first call through the handle is what starts its request router
+        first = await call(None)
+        replicas = live_replicas(handle)
+        rest = [r for r in replicas or () if r != (first or {}).get("replica")]
+        return [first, *[await call(pinned("stats", r)) for r in rest]]
+    # One after another: Serve's request router hands a free replica to the oldest pending call, so concurrent
+    # calls pinned to different idle replicas can wait on each other until their timeout.
+    return [await call(pinned("stats", r)) for r in replicas]
+
+
 async def split_call(handle: Any, keys: list[str | None],
                      call: Callable[[list[int], str | None], Awaitable[Any]]) -> list[tuple[list[int], Any]]:
     """`call(indices, key)` once per replica the requests' keys prefer, concurrently: (indices, reply) per call."""
@@ -109,18 +182,44 @@ async def split_call(handle: Any, keys: list[str | None],
 
 class Affinity:
     """A router client's side of affinity for one deployment: the router's routing key (each sequence's key is it
-    plus the sequence id, `key_for`), and per live sequence the tokens whose KV the deployment computed in the last
-    successful round. `expected` is how many of a new call's leading tokens that covers (what the replica holds if
-    nothing moved); `record` counts what a replica reported recomputing into
-    `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
+    plus the sequence id, `key_for`, pinned on its first call where prefix routing places it), and per live sequence
+    the tokens whose KV the deployment computed in the last successful round. `expected` is how many of a new call's
+    leading tokens that covers (what the replica holds if nothing moved); `record` counts what a replica reported
+    recomputing into `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
 
-    def __init__(self, key: str | None, deployment: str, counter: Any = None) -> None:
+    def __init__(self, key: str | None, deployment: str, counter: Any = None,
+                 routing: PrefixRoutingConfig | None = None) -> None:
         self.key, self.deployment, self.counter = key, deployment, counter
+        self.routing = routing if routing is not None and routing.enabled else None
         self.recomputed: dict[str, int] = {}  # replica -> tokens it recomputed for this client's calls
         self._tokens: dict[str, list[int]] = {}
+        self._pins: dict[str, str | None] = {}  # live sequence -> the replica its first call chose (None: home rule)
 
-    def key_for(self, seq_id: str) -> str | None:
-        return sequence_key(self.key, seq_id)
+    def key_for(self, seq_id: str, tokens: list[int] | None = None, committed: int = 0,
+                replicas: tuple[str, ...] | None = None) -> str | None:
+        """The key of a sequence's calls. Its first call (given its `tokens`, of which `committed` are its own, not
+        draft tokens) decides once whether it is pinned, and where (`place`); later calls keep that."""
+        key = sequence_key(self.key, seq_id)
+        if key is None:
+            return None
+        if seq_id not in self._pins and tokens is not None:
+            self._pins[seq_id] = self.place(tokens[:committed], replicas)
+        pin = self._pins.get(seq_id)
+        return key if pin is None else pinned(key, pin)
+
+    def place(self, prompt: list[int], replicas: tuple[str, ...] | None) -> str | None:
+        """The replica prefix routing puts a new sequence on; None (the home rule) when it is off, the replica set
+        is not known or has one member, or the prompt is shorter than a block."""
+        if self.routing is None or not replicas or len(replicas) < 2:
+            return None
+        prefix = prefix_key(prompt, self.routing.block_tokens)
+        if prefix is None:
+            return None
+        return place_new(prefix, list(replicas), self.loads(), self.routing.max_imbalance)
+
+    def loads(self) -> dict[str, int]:
+        """Live sequences of this client pinned to each replica."""
+        return dict(Counter(p for p in self._pins.values() if p is not None))
 
     def gathered(self, parts: list[tuple[list[int], Any]], n: int) -> list:
         """The results of a round split over replicas (`split_call`), in request order; each call's recomputed
@@ -141,6 +240,7 @@ class Affinity:
 
     def forget(self, seq_id: str) -> None:
         self._tokens.pop(seq_id, None)
+        self._pins.pop(seq_id, None)
 
     def record(self, recomputed: int, replica: str) -> None:
         self.recomputed[replica] = self.recomputed.get(replica, 0) + recomputed

@@ -11,11 +11,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..config import (
-    DEFAULT_TARGET, KERNEL_TIMES_HELP, LINEAR_KERNEL_HELP, DraftConfig, DType, EngineConfig, LinearKernel, SpecConfig,
-    TargetConfig, PrefixCacheConfig,
+    DEFAULT_TARGET, DETERMINISTIC_HELP, KERNEL_TIMES_HELP, LINEAR_KERNEL_HELP, DraftConfig, DType, EngineConfig,
+    LinearKernel, SpecConfig, TargetConfig, PrefixCacheConfig, SuffixConfig,
 )
 from ..hardware import resolve_dtype
-from ..models.capacity import GIB, Capacity, ModelShape, host_memory_bytes, kv_capacity, read_model_config
+from ..models.capacity import (
+    GIB, Capacity, ModelShape, check_prefix_budget, host_memory_bytes, kv_capacity, read_model_config,
+)
+from .affinity import PrefixRoutingConfig
 
 
 class _Strict(BaseModel):
@@ -247,6 +250,9 @@ class RouterOptions(DeploymentOptions):
         "round whole on the process's model thread while no other target of the router has work: one thread hop per "
         "round instead of one per call, no batch queue. False: every round goes through the draft's and the "
         "target's batch queues (what lets rounds of several targets merge into one draft forward).")
+    prefix_routing: PrefixRoutingConfig = Field(
+        default_factory=PrefixRoutingConfig, description="Which target and draft replica a new sequence goes to: "
+        "where its prompt's first block was cached, within a load bound (docs/SERVING.md; off with prefix_cache).")
 
 
 class Limits(_Strict):
@@ -313,10 +319,15 @@ class AppConfig(_Strict):
         ">= 16 positions; tp_size 1); default: num_threads. A round drafts, then verifies: one router's draft and "
         "target passes never run at the same time."
     )
+    adaptive_threads: bool = Field(True, description="Wide passes on the thread count measured fastest for them "
+                                   "(EngineConfig.adaptive_threads); matters where a replica has more than one.")
     linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
     kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
+    deterministic: bool = Field(False, description=DETERMINISTIC_HELP)
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig, description="Prefix cache across "
                                             "requests in each target replica (and TP rank) and the draft.")
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="Drafting from earlier outputs: one store "
+                                 "per target in each router replica (docs/CACHING.md).")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
@@ -324,6 +335,9 @@ class AppConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"target names must be unique; repeated: {dupes}")
+        sharded = [t.name for t in self.targets if t.tp_size > 1]
+        if self.deterministic and sharded:  # sharded projections are DeepSpeed's, not the mode's row-chunked ones
+            raise ValueError(f"deterministic: true does not cover tensor-parallel targets {sharded}; set tp_size: 1")
         return self
 
     def deployment_options(self, opts: dict[str, Any]) -> dict[str, Any]:
@@ -368,7 +382,8 @@ class AppConfig(_Strict):
                               thresholds=self.draft.thresholds, stop_confidence=self.draft.stop_confidence),
             spec=self.spec, cache_dir=self.cache_dir, trust_remote_code=self.trust_remote_code,
             num_threads=self.num_threads, wide_threads=self.wide_threads, linear_kernel=self.linear_kernel,
-            kernel_times=self.kernel_times, prefix_cache=self.prefix_cache,
+            kernel_times=self.kernel_times, prefix_cache=self.prefix_cache, adaptive_threads=self.adaptive_threads,
+            suffix=self.suffix, deterministic=self.deterministic,
         )
 
     def max_sequences(self, name: str) -> int:
@@ -383,6 +398,19 @@ class AppConfig(_Strict):
         spec = self.target(name)
         ctx = spec.max_context or config.get("max_position_embeddings") or self.limits.max_total_tokens
         return min(int(ctx), self.limits.max_total_tokens)
+
+    def _prefix_budget_fits(self, spec: TargetSpec) -> None:
+        """A prefix_cache.max_tokens given in the config within the target's memory (its share with memory_fraction),
+        where known here. The default is not checked: kept rows give way to live ones, so a small replica keeps less."""
+        if not self.prefix_cache.enabled or "max_tokens" not in self.prefix_cache.model_fields_set:
+            return
+        memory, config = spec.memory_bytes(), read_model_config(spec.resolved_source, self.cache_dir, resolve=False)
+        if memory is None or config is None:
+            return
+        shape, dtype = ModelShape.from_config(config), resolve_dtype(spec.dtype, spec.device)
+        check_prefix_budget(self.prefix_cache.max_tokens, int(memory * (spec.memory_fraction or 1.0)),
+                            shape.weight_bytes(dtype, spec.tp_size), shape.kv_bytes_per_token(dtype, spec.tp_size),
+                            f"target {spec.name}")
 
     def target_capacity(self, name: str, resolve: bool = True) -> Capacity | None:
         """The target's memory-based sizing where it can be computed here (None: no memory_fraction, or the device's
@@ -421,4 +449,5 @@ class AppConfig(_Strict):
     def _memory_fits(self) -> "AppConfig":
         for t in self.targets:
             self.target_capacity(t.name, resolve=False)  # raises when not even one full-length row fits
+            self._prefix_budget_fits(t)
         return self

@@ -18,7 +18,7 @@ import torch
 
 from ..core.types import DraftRequest, Proposal, ScoreRequest
 from ..errors import ServiceUnavailableError
-from .affinity import Affinity, split_call
+from .affinity import Affinity, live_replicas, split_call
 from .replica import InProcessHandle
 from .round_timing import CallTimes
 
@@ -83,14 +83,21 @@ class DeploymentClient:
         return [self.affinity.expected(r.seq_id, r.tokens) for r in rows]
 
     async def _split(self, rows: list, timeout_s: float, call: Callable[[list[int], str | None], Awaitable]) -> list:
-        keys = [self.affinity.key_for(r.seq_id) for r in rows]
+        replicas = live_replicas(self.handle)  # a new sequence is placed by its prompt (affinity.PrefixRoutingConfig)
+        keys = [self.affinity.key_for(r.seq_id, r.tokens, self._committed(r), replicas) for r in rows]
         return await bounded(split_call(self.handle, keys, call), timeout_s)
+
+    @staticmethod
+    def _committed(row: DraftRequest | ScoreRequest) -> int:
+        """Leading tokens of a call that are the sequence's own (a score call's last num_logits - 1 are drafts)."""
+        return len(row.tokens) - (row.num_logits - 1 if isinstance(row, ScoreRequest) else 0)
 
     def _gathered(self, n: int, parts: list[tuple[list[int], Any]], start: float) -> list:
         self.times.add_slowest(time.perf_counter() - start, (reply for _, reply in parts))
         return self.affinity.gathered(parts, n)
 
     def release(self, seq_id: str) -> None:
+        key = self.affinity.key_for(seq_id)  # before forgetting: the release goes where the sequence was placed
         self.affinity.forget(seq_id)
         what = f"{self.role} release"
         if self.now:
@@ -99,7 +106,7 @@ class DeploymentClient:
             except Exception as exc:
                 logger.debug("%s failed: %s", what, exc)
             return
-        self.releases.send(self.handle.release.remote(seq_id, affinity=self.affinity.key_for(seq_id)), what)
+        self.releases.send(self.handle.release.remote(seq_id, affinity=key), what)
 
 
 class DraftClient(DeploymentClient):

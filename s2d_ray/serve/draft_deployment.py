@@ -11,7 +11,8 @@ from dataclasses import replace
 
 from ray import serve
 
-from ..build import apply_exits, build_draft, draft_base_source, load_profile, load_target, set_threads
+from ..build import (apply_exits, build_draft, draft_base_source, load_profile, load_target, set_threads,
+                     thread_governor)
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
 from ..core.stack import limit_rows
@@ -55,7 +56,8 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, S
         layers = tuple(tuned.spec.exit_layers)
         if layers != tuple(draft.spec.exit_layers):
             out[t.name] = by_layers.setdefault(
-                layers, SortedDrafter(tuned, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads))
+                layers, SortedDrafter(tuned, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads,
+                                      threads=thread_governor(cfg.adaptive_threads, tuned.stack.device)))
         own = out[t.name].thresholds if t.name in out else draft.spec.thresholds
         if tuple(tuned.spec.thresholds) != tuple(own):
             thresholds[t.name] = tuple(tuned.spec.thresholds)
@@ -75,7 +77,8 @@ class DraftDeployment:
         set_threads(cfg.num_threads)
         self.thread = process_model_thread(cfg.num_threads)  # the router's, with draft.placement: router
         draft = load_shared_draft(cfg)
-        self.default = SortedDrafter(draft, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads)
+        self.default = SortedDrafter(draft, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads,
+                                     threads=thread_governor(cfg.adaptive_threads, draft.stack.device))
         self.by_target, self.thresholds = per_target_drafters(cfg, draft)
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())

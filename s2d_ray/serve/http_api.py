@@ -3,6 +3,7 @@ strict parsing of a request body, and the OpenAPI schema of routes that parse th
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from typing import TypeVar
@@ -65,6 +66,17 @@ def authorize(request: Request, api_key: str | None) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
                        "invalid_api_key", type_="authentication_error")
+
+
+def store_scope(request: Request, *identities: str | None) -> str:
+    """A request's scope in the store of earlier outputs under `suffix.scope: api_key` (core/suffix.py): a digest of
+    its bearer token and the client's end-user ids (`user`, `safety_identifier`), so no key is kept in the clear;
+    "" for a request that gives none (all anonymous requests share one scope)."""
+    _, _, token = request.headers.get("authorization", "").partition(" ")
+    parts = [token.strip(), *(i or "" for i in identities)]
+    if not any(parts):
+        return ""
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
 async def read_body(request: Request, limit: int) -> bytes:

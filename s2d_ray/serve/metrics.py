@@ -133,3 +133,14 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+PREFIX_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_tokens", "prefix_cache_max_tokens")
+
+
+def prefix_cache_totals(replicas: list[dict]) -> dict:
+    """One target's prefix cache counters summed over the replicas that answered (each replica's stats once)."""
+    seen = {str(s.get("replica", i)): s for i, s in enumerate(replicas) if s and "error" not in s}
+    totals = {key: sum(int(s.get(key, 0)) for s in seen.values()) for key in PREFIX_COUNTERS}
+    failed = [s["error"] for s in replicas if s and "error" in s]
+    return {**totals, "replicas": len(seen), **({"failed": failed} if failed else {})}

@@ -145,12 +145,14 @@ class OpenAIFields(SamplingFields):
 
     n: int = Field(1, ge=1, description="Independent samples per prompt (bounded by limits.max_choices).")
     stream: bool = Field(False, description="Server-sent events, one chunk per round.")
-    user: str | None = Field(None, description="Accepted without effect (request_fields.IGNORED).")
+    user: str | None = Field(None, description="Accepted without effect on the output (request_fields.IGNORED); "
+                             "with `suffix.scope: api_key` it keys the store of earlier outputs (docs/CACHING.md).")
     metadata: dict[str, Any] | None = Field(None, description="Accepted without effect.")
     store: bool | None = Field(None, description="Accepted without effect: nothing is stored.")
     service_tier: str | None = Field(None, description="Accepted without effect: one tier.")
     prompt_cache_key: str | None = Field(None, description="Accepted without effect.")
-    safety_identifier: str | None = Field(None, description="Accepted without effect.")
+    safety_identifier: str | None = Field(None, description="Accepted without effect on the output; keys the "
+                                          "store of earlier outputs as `user` does.")
     stream_options: dict[str, Any] | None = Field(None, description="Accepted: usage is always on the last chunk.")
     request_id: str | None = Field(None, description="Accepted without effect (responses carry their own id).")
     return_token_ids: bool = Field(False, description="Each choice (each stream chunk) also carries the ids of "
@@ -259,6 +261,9 @@ class GenerateRequest(SamplingFields):
     prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
     tools: list[Tool] | None = Field(None, description="Functions the model may call (with messages).")
     tool_choice: ToolChoice | None = Field(None, description="As OpenAI's chat tool_choice.")
+    suffix_scope: str | None = Field(None, description="Whose earlier outputs this request drafts from and adds to "
+                                     "under `suffix.scope: api_key` (docs/CACHING.md); the HTTP API derives it from "
+                                     "the bearer key and `user`. The output is the same whatever it is.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -27,16 +28,17 @@ from ..build import assemble_engine, draft_base_source, load_profile, set_thread
 from ..errors import ModelNotFoundError, RequestTimeoutError, S2DError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
-from .affinity import Affinity
+from .affinity import Affinity, each_replica
 from .app_config import AppConfig
 from .choices import first_items, gather_all, merge
 from .clients import DraftClient, TargetClient
 from .events import Event, coalesced
 from .http_api import (
-    ApiError, api_error, authorize, body_schema, error_response, parse_body, read_body, validation_error,
+    ApiError, api_error, authorize, body_schema, error_response, parse_body, read_body, store_scope,
+    validation_error,
 )
 from .loaders import load_tokenizer, model_context
-from .metrics import ServeMetrics
+from .metrics import ServeMetrics, prefix_cache_totals
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
@@ -70,12 +72,19 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
 
 
-async def _call_stats(handle) -> dict:
-    """A deployment's stats, or the error that prevented them (bounded: a dead replica must not hang /health)."""
+async def _call_stats(handle, key: str | None = None) -> dict:
+    """A deployment's stats (the replica `key` is pinned to), or the error that prevented them (bounded: a dead
+    replica must not hang /health)."""
     try:
-        return await asyncio.wait_for(_await(handle.stats.remote()), STATS_TIMEOUT_S)
+        call = handle.stats.remote(affinity=key) if key else handle.stats.remote()
+        return await asyncio.wait_for(_await(call), STATS_TIMEOUT_S)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _replica_stats(handle) -> list[dict]:
+    """Every live replica's stats (the prefix cache counters live in each), the first one answered as before."""
+    return await each_replica(handle, lambda key: _call_stats(handle, key))
 
 
 async def _await(response):
@@ -139,18 +148,23 @@ class Router:
 
     def _target_client(self, name: str) -> TargetClient:
         """The engine's verifier for one target: its calls' overhead observed in s2d:call_overhead_seconds."""
-        affinity = Affinity(self.affinity, f"target-{name}", self.metrics.recomputed_tokens)
+        affinity = Affinity(self.affinity, f"target-{name}", self.metrics.recomputed_tokens, self._routing)
         self.affinities.append(affinity)
         times = CallTimes(observe=self.metrics.call_overhead.labels(name, "target").observe)
         return TargetClient(self.target_handles[name], name, self.cfg.limits.score_timeout_s, affinity, times)
 
     def _draft_client(self, name: str) -> DraftClient:
         """One target's client of the shared draft: its fallback rounds counted, its calls' overhead observed."""
-        affinity = Affinity(self.affinity, "draft", self.metrics.recomputed_tokens)
+        affinity = Affinity(self.affinity, "draft", self.metrics.recomputed_tokens, self._routing)
         self.affinities.append(affinity)
         times = CallTimes(observe=self.metrics.call_overhead.labels(name, "draft").observe)
         return DraftClient(self.draft_handle, name, self.cfg.draft.call_timeout_s, self.cfg.draft.retry_after_s,
                            on_fallback=self.metrics.draft_fallbacks.labels(name).inc, affinity=affinity, times=times)
+
+    @property
+    def _routing(self):
+        """Prefix routing for new sequences; none without a prefix cache (nothing to land on)."""
+        return self.cfg.router.prefix_routing if self.cfg.prefix_cache.enabled else None
 
     def _busy_besides(self, name: str) -> bool:
         """Whether another target's scheduler has sequences or requests (its rounds could share the draft's forward
@@ -190,10 +204,14 @@ class Router:
             sched = self.schedulers[name]
             out["targets"][name] = {"running": sched.num_running, "waiting": len(sched.waiting),
                                     "timing": sched.timing()}
+            if sched.engine.suffix is not None:  # the store of earlier outputs lives in this router's engine
+                out["targets"][name]["suffix"] = sched.engine.suffix.stats()
         handles = [self.target_handles[n] for n in names] + ([self.draft_handle] if self.cfg.uses_draft else [])
-        answers = await asyncio.gather(*(_call_stats(h) for h in handles))
-        for name, dep in zip(names, answers):
-            out["targets"][name]["deployment"] = dep
+        answers = await asyncio.gather(*(_replica_stats(h) for h in handles[:len(names)]),
+                                       *(_call_stats(h) for h in handles[len(names):]))
+        for name, reps in zip(names, answers):
+            out["targets"][name]["deployment"] = reps[0]
+            out["targets"][name]["prefix_cache"] = prefix_cache_totals(reps)
         out["draft"] = answers[-1] if self.cfg.uses_draft else None
         out["recomputed_tokens"] = self._recomputed()
         out["gc"] = gc_pauses().snapshot()  # this process's (placed models included)
@@ -249,7 +267,8 @@ class Router:
         if self.cfg.uses_draft:
             self.metrics.record_draft(await _call_stats(self.draft_handle))
         for name in self.schedulers:  # the prefix cache counters live in the target replicas
-            self.metrics.record_prefix_cache(name, await _call_stats(self.target_handles[name]))
+            for stats in await _replica_stats(self.target_handles[name]):
+                self.metrics.record_prefix_cache(name, stats)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],
@@ -262,6 +281,9 @@ class Router:
                 greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
+            if self.cfg.suffix.enabled and self.cfg.suffix.scope == "api_key":
+                scope = store_scope(request, oreq.user, oreq.safety_identifier)
+                greqs = [g.model_copy(update={"suffix_scope": scope}) for g in greqs]
             info = self._info(oreq.model)
             model = info.name
             ids = ResponseIds(chat)
@@ -321,6 +343,8 @@ class Router:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
         info = self._info(req.model)
         gen = to_generation(info, req, self.cfg.limits)
+        if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
+            gen = replace(gen, suffix_scope=req.suffix_scope)
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)

@@ -9,7 +9,7 @@ import time
 import torch
 from ray import serve
 
-from ..build import load_target, make_kernels, set_threads
+from ..build import load_target, make_kernels, set_threads, thread_governor
 from ..core.stack import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
@@ -96,7 +96,9 @@ class TargetDeployment:
         else:
             model = load_target(ecfg).model
             verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads,
-                                      kernels=make_kernels(ecfg), prefix_cache=ecfg.prefix_cache.spec())
+                                      kernels=make_kernels(ecfg), prefix_cache=ecfg.prefix_cache.spec(),
+                                      threads=thread_governor(ecfg.adaptive_threads and not ecfg.deterministic,
+                                                              model.device))
             self.max_rows = sized_rows(spec, model, max_slots)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)
@@ -168,7 +170,8 @@ class TargetDeployment:
         self.idle.forget(seq_id)
         release_all(self.backend.verifier, [seq_id])
 
-    async def stats(self) -> dict:
+    async def stats(self, affinity: str | None = None) -> dict:
+        """affinity: read by the request router only (/health asks each replica with a key pinned to it)."""
         return {"replica": self.replica, "num_active": await self.backend.num_active(), "num_calls": self.num_calls,
                 "num_forwards": self.num_forwards, "recomputed_tokens": self.recomputed,
                 "max_live_sequences": self.max_rows, **self.backend.describe(), "gc": gc_pauses().snapshot()}

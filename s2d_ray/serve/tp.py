@@ -167,6 +167,11 @@ class TPWorker:
     async def num_active(self) -> int:
         return await self.thread.run(lambda: self.verifier.num_active)
 
+    async def counts(self) -> dict:
+        """Live sequences and the prefix cache counters: every rank runs the same calls, so rank 0's stand for all."""
+        return await self.thread.run(lambda: {"num_active": self.verifier.num_active,
+                                              **self.verifier.prefix_cache_stats()})
+
     async def ping(self) -> int:
         return self.rank
 
@@ -175,6 +180,7 @@ class TPGroup:
     """The replica's side of a TP target: starts the ranks in its placement group and drives them in lockstep."""
 
     cpu_s = 0.0  # the model threads are the ranks' (other actors): not measured here (Counted.cpu_seconds 0)
+    prefix_cache: dict = {}  # rank 0's prefix cache counters as of the last `num_active` (stats asks it first)
 
     def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float, max_slots: int) -> None:
         self.size, self.call_timeout_s = spec.tp_size, call_timeout_s
@@ -229,15 +235,17 @@ class TPGroup:
         await self._all("release", seq_ids)
 
     async def num_active(self) -> int:
-        counts = await self._all("num_active")
-        return max(counts)
+        """The most live sequences any rank holds; also refreshes rank 0's prefix cache counters for `describe`."""
+        counts = await self._all("counts")
+        self.prefix_cache = {k: v for k, v in counts[0].items() if k != "num_active"}
+        return max(c["num_active"] for c in counts)
 
     async def check(self) -> None:
         await self._all("ping", timeout=min(self.call_timeout_s, 10.0))
 
     def describe(self) -> dict:
         return {"tp_size": self.size, "port": self.port, "ranks": self.ranks, "broken": self.broken,
-                "device": self.ranks[0]["device"], "dtype": self.ranks[0]["dtype"]}
+                "device": self.ranks[0]["device"], "dtype": self.ranks[0]["dtype"], **self.prefix_cache}
 
     def close(self) -> None:
         for w in self.workers:

@@ -13,6 +13,7 @@ from ..build import set_threads
 from ..commands.engine_args import FLOATS, INTS
 from ..config import DEFAULT_TARGET, GSM8K_TEST, TRAIN_DATA, data_file
 from ..errors import ConfigError
+from .data import check_token_rows
 
 logger = logging.getLogger(__name__)
 DATA_HELP = "(default $S2D_DATA_DIR/train/instructions.jsonl)"
@@ -86,7 +87,25 @@ def _register_train(sub) -> None:
                         "the run exported (--save / --export-only; bf16 weights, the optimiser restarts with a warmup)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--export-only", action="store_true", help="write --save from the checkpoint in --out; no training")
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="data-parallel workers on Ray Train (1: this process, without Ray); each takes an equal slice "
+                        "of every --batch-size batch, so the run is the one-process run (docs/TRAINING.md)")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="with --num-workers > 1: 0 = DDP, 1/2 = DeepSpeed ZeRO stage (optimiser state / and "
+                        "gradients sharded); 3 is refused (the draft's weights must stay whole)")
+    _add_ray_args(p)
+    p.add_argument("--max-failures", type=int, default=2,
+                   help="restarts of the worker group from its last checkpoint after a worker dies")
     p.set_defaults(func=run_train)
+
+
+def _add_ray_args(p) -> None:
+    """Where --num-workers > 1 runs, and what each worker reserves there."""
+    p.add_argument("--address", default=None,
+                   help="Ray cluster for --num-workers > 1: auto (the running one), ray://host:10001, or none for a "
+                        "local one")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0,
+                   help="logical CPUs each worker reserves (and its threads unless --threads)")
 
 
 def _one_or_list(values: list[str] | None) -> str | list[str] | None:
@@ -129,6 +148,11 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--exit-weights needs one weight per exit ({len(cfg.exits())})")
     if args.resume_draft and not args.resume:
         raise ValueError("--resume-draft needs --resume")
+    check_token_rows([Path(d) for d in cfg.data], load_tokenizer(cfg.target), cfg.target)
+    if args.num_workers != 1 or args.address:
+        return _train_on_ray(cfg, args)
+    if args.zero:
+        raise ValueError("--zero shards across workers: it needs --num-workers > 1")
     run = Run(cfg)
     if args.resume and not run.resume():
         if args.resume_draft:
@@ -144,6 +168,41 @@ def run_train(args: argparse.Namespace) -> int:
         run.save_draft(Path(args.save), "s2d " + shlex.join(sys.argv[1:]))
     print(json.dumps({"steps": run.step, "train_tokens": run.tokens, "wall_s": round(run.wall, 1), **final}))
     return 0
+
+
+def _train_on_ray(cfg, args: argparse.Namespace) -> int:
+    """`train-draft --num-workers N`: the same run on Ray Train workers (ray_train.py)."""
+    import torch
+
+    from .cluster import WorkerSpec
+    from .ray_train import ParallelTraining, train_on_ray
+    from .soft import check_same_run
+
+    if args.num_workers < 1:
+        raise ValueError("--num-workers must be >= 1")
+    if args.resume_draft:
+        raise ValueError("--resume-draft runs in one process: resume there, then continue with --num-workers")
+    checkpoint = Path(args.out) / "checkpoint.pt"
+    if checkpoint.exists() and not args.resume:
+        raise ValueError(f"{args.out} already holds a run; pass --resume to continue it or pick another --out")
+    if checkpoint.exists():  # a resume with other settings is refused here, before any worker starts
+        check_same_run(torch.load(checkpoint, mmap=True, weights_only=False, map_location="cpu")["cfg"], cfg,
+                       checkpoint)
+    workers = WorkerSpec(num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker, address=args.address)
+    plan = ParallelTraining(workers=workers, zero=args.zero, max_failures=args.max_failures, resume=args.resume,
+                            stop_at=args.stop_at, time_limit=args.time_limit, save=args.save,
+                            command="s2d " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
+    print(json.dumps(train_on_ray(cfg, plan)))
+    return 0
+
+
+def load_tokenizer(source: str):
+    """A model source's tokenizer alone (what data checks need before any weights load)."""
+    from transformers import AutoTokenizer
+
+    from ..models.sources import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(source, progress=False))
 
 
 def _register_selfdistill(sub) -> None:
@@ -165,6 +224,11 @@ def _register_selfdistill(sub) -> None:
     p.add_argument("--stop-after", type=int, default=None, help="directory mode: stop after N more chunks")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="directory mode: only chunks whose index %% N == I (N processes share one --out)")
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="directory mode: generate the chunks on N Ray actors, each with its own engine (1: this "
+                        "process); a chunk's bytes do not depend on N (with the same --threads)")
+    _add_ray_args(p)
+    p.add_argument("--gpus-per-worker", type=float, default=0.0, help="GPUs each actor reserves")
     p.set_defaults(func=run_selfdistill)
 
 
@@ -178,6 +242,12 @@ def run_selfdistill(args: argparse.Namespace) -> int:
     single = out.suffix == ".jsonl"
     if single and len(args.target) > 1:
         raise ValueError("several --target need a directory --out (not a .jsonl file)")
+    if args.num_workers < 1:
+        raise ValueError("--num-workers must be >= 1")
+    if single and (args.num_workers > 1 or args.address):
+        raise ValueError("--num-workers and --address need a directory --out (chunks), not a .jsonl file")
+    if args.gpus_per_worker and args.num_workers == 1 and not args.address:
+        raise ValueError("--gpus-per-worker is for Ray actors: it needs --num-workers > 1 or --address")
     set_threads(args.threads)
     fraction = {"gsm8k_train": args.gsm8k_fraction} if args.gsm8k_fraction > 0 else None
     data = Path(args.data) if args.data else data_file(TRAIN_DATA, "--data")
@@ -189,8 +259,21 @@ def run_selfdistill(args: argparse.Namespace) -> int:
         return 0
     picked = {"data": data.name, "data_sha256_16": data_hash([data]), "split": args.split,
               "num": args.num, "gsm8k_fraction": args.gsm8k_fraction, "seed": args.seed}
-    info = generate_chunks(args.target, rows, out, picked, args.max_new_tokens, args.batch_size, threads=args.threads,
-                           dtype=args.dtype, stop_after=args.stop_after, shard=parse_shard(args.shard))
+    pool = None
+    if args.num_workers > 1 or args.address:
+        from .cluster import WorkerSpec
+        from .pool import ChunkPool
+
+        spec = WorkerSpec(num_workers=args.num_workers, cpus_per_worker=args.cpus_per_worker,
+                          gpus_per_worker=args.gpus_per_worker, address=args.address)
+        pool = ChunkPool(spec, args.threads, args.dtype, args.max_new_tokens)
+    try:
+        info = generate_chunks(args.target, rows, out, picked, args.max_new_tokens, args.batch_size,
+                               threads=args.threads, dtype=args.dtype, stop_after=args.stop_after,
+                               shard=parse_shard(args.shard), pool=pool)
+    finally:
+        if pool is not None:
+            pool.close()
     print(json.dumps({"rows": len(rows), **info, "out": args.out}))
     return 0
 

@@ -125,22 +125,28 @@ def kd_divergence(logq: torch.Tensor, target: torch.Tensor | TopK, temperature: 
 
 
 def soft_loss(out: ExitOut, weights: list[float], kd: list[torch.Tensor | TopK] | None = None, kd_weight: float = 0.0,
-              temperature: float = 1.0, exit_distill: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+              temperature: float = 1.0, exit_distill: float = 0.0,
+              shares: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, list[float]]:
     """SoFT: weighted mean over exits of CE (and, with kd, the KL to each target's tempered distribution: full
     logits, or a cached top-k). exit_distill > 0 adds, at every shallower exit, that weight times the KL from the
-    deepest exit's distribution (detached: the deepest exit is the teacher, not pulled towards the shallow ones)."""
+    deepest exit's distribution (detached: the deepest exit is the teacher, not pulled towards the shallow ones).
+
+    `shares` scale the CE mean and the per-position means (KD, exit distillation): a data-parallel rank passes its
+    part of the global batch's counts times the world size, so that the gradients averaged over ranks are the
+    gradient of the global batch's means (distributed.py)."""
     total, per_exit = 0.0, []
     deepest = out.logits[-1].detach().float() if exit_distill > 0 else None
     for i, (w, logits) in enumerate(zip(weights, out.logits)):
         valid = int((out.labels != -100).sum())  # labels outside a reduced vocabulary carry no CE
         loss = F.cross_entropy(logits.float(), out.labels, ignore_index=-100, reduction="sum") / max(valid, 1)
+        loss = loss * shares[0]
         if kd and kd_weight > 0:
             logq = F.log_softmax(logits.float() / temperature, -1)
             kl = sum(kd_divergence(logq, t, temperature) for t in kd) / len(kd)
-            loss = (1 - kd_weight) * loss + kd_weight * kl * temperature**2
+            loss = (1 - kd_weight) * loss + kd_weight * kl * temperature**2 * shares[1]
         if deepest is not None and i < len(out.logits) - 1:
             logq = F.log_softmax(logits.float() / temperature, -1)
-            loss = loss + exit_distill * kd_divergence(logq, deepest, temperature) * temperature**2
+            loss = loss + exit_distill * kd_divergence(logq, deepest, temperature) * temperature**2 * shares[1]
         total = total + w * loss
         per_exit.append(float(loss.detach()))
     return total / sum(weights), per_exit

@@ -90,14 +90,21 @@ class TopKCache:
             if old != self.meta:
                 raise ValueError(f"KD cache {self.directory} was built for other rows or settings ({old}); "
                                  "use another --kd-cache directory")
-        else:
-            meta_path.write_text(json.dumps(self.meta, indent=2))
+        else:  # atomically: data-parallel workers open the same new cache at once (distributed.py)
+            tmp = meta_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.meta, indent=2))
+            tmp.replace(meta_path)
         self._checked = True
 
     def missing(self) -> list[int]:
         """Chunks not written yet (all of them for a new cache); refuses a cache of other rows or settings."""
         self._check_meta()
         return [c for c in self._chunks() if not self._part(c).exists()]
+
+    def missing_for(self, rows: list[int]) -> list[int]:
+        """The chunks holding these packed rows that are not written yet, in chunk order."""
+        self._check_meta()
+        return sorted(c for c in {self._where[r][0] for r in rows} if not self._part(c).exists())
 
     def attach(self, model: torch.nn.Module, chunks_per_forward: int | None = None) -> "TopKCache":
         """Let `lookup` build missing chunks with this model (on its device) when a batch first needs them."""

@@ -121,46 +121,72 @@ def chunk_plan(num_rows: int, targets: list[str], batch: int) -> list[tuple[int,
             for c, s in enumerate(range(0, num_rows, batch))]
 
 
-def generate_chunks(targets: list[str], rows: list[dict], out_dir: Path, settings: dict, max_new_tokens: int = 256,
-                    batch: int = 32, max_prompt: int = 384, threads: int | None = None, dtype: str = "float32",
-                    stop_after: int | None = None, shard: tuple[int, int] | None = None) -> dict:
-    """Every target's responses as chunk files in `out_dir`; chunks already there are skipped (resume).
+def chunk_path(out_dir: Path, c: int) -> Path:
+    return out_dir / f"chunk-{c:06d}.jsonl.gz"
 
-    `shard` (i, n): only chunks with index % n == i, so n processes share one directory without ever writing the
-    same chunk (on a GPU, where one Python process per engine leaves the device mostly idle).
 
-    `settings` (what picked the rows) is stored with the generation settings in selfdistill.json; a directory
-    written with different ones is refused, so a resumed run never mixes two datasets."""
+def open_chunk_dir(out_dir: Path, spec: dict) -> None:
+    """Pin `spec` (what picked the rows and how they are generated) in out_dir; refuse a directory written with
+    other settings, so a resumed run never mixes two datasets."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = {**settings, "targets": targets, "max_new_tokens": max_new_tokens, "batch": batch,
-            "max_prompt": max_prompt, "dtype": dtype, "rows": len(rows)}
     spec_path = out_dir / SPEC_FILE
     if spec_path.exists():
         old = json.loads(spec_path.read_text())
         if old != spec:
-            raise ValueError(f"{out_dir} was generated with other settings ({old}); use another --out")
+            differ = ", ".join(k for k in sorted(set(old) | set(spec)) if old.get(k) != spec.get(k))
+            raise ValueError(f"{out_dir} was generated with other settings (differing: {differ}; there: {old}); "
+                             "use another --out")
     else:  # written atomically: shards starting together must not read each other's half-written file
         tmp = spec_path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(spec, indent=2))
         tmp.replace(spec_path)
-    plan = chunk_plan(len(rows), targets, batch)
-    todo = [p for p in plan if not (out_dir / f"chunk-{p[0]:06d}.jsonl.gz").exists()]
+
+
+def chunks_todo(out_dir: Path, plan: list[tuple[int, str, slice]], stop_after: int | None,
+                shard: tuple[int, int] | None) -> list[tuple[int, str, slice]]:
+    """The planned chunks not written yet (of this shard; at most stop_after of them)."""
+    todo = [p for p in plan if not chunk_path(out_dir, p[0]).exists()]
     if shard is not None:
         todo = [p for p in todo if p[0] % shard[1] == shard[0]]
-    todo = todo[:stop_after] if stop_after is not None else todo
-    responders: dict[str, Responder] = {}
-    made, started = 0, time.perf_counter()
+    return todo[:stop_after] if stop_after is not None else todo
+
+
+def generate_chunks(targets: list[str], rows: list[dict], out_dir: Path, settings: dict, max_new_tokens: int = 256,
+                    batch: int = 32, max_prompt: int = 384, threads: int | None = None, dtype: str = "float32",
+                    stop_after: int | None = None, shard: tuple[int, int] | None = None, pool=None) -> dict:
+    """Every target's responses as chunk files in `out_dir`; chunks already there are skipped (resume).
+
+    `shard` (i, n): only chunks with index % n == i, so n processes share one directory without ever writing the
+    same chunk (on a GPU, where one Python process per engine leaves the device mostly idle). `pool` (pool.py):
+    Ray actors generate the chunks instead of this process; a chunk's bytes are the same either way.
+
+    `settings` (what picked the rows) is stored with the generation settings in selfdistill.json (open_chunk_dir)."""
+    spec = {**settings, "targets": targets, "max_new_tokens": max_new_tokens, "batch": batch,
+            "max_prompt": max_prompt, "dtype": dtype, "rows": len(rows)}
+    open_chunk_dir(out_dir, spec)
+    plan = chunk_plan(len(rows), targets, batch)
+    todo = chunks_todo(out_dir, plan, stop_after, shard)
     bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="self-distill", unit="chunk")
-    for c, target, sl in todo:
-        if target not in responders:
-            responders[target] = Responder(target, threads, dtype, max_new_tokens, max_prompt)
-        out = responders[target].respond(rows[sl])
-        write_chunk(out_dir / f"chunk-{c:06d}.jsonl.gz", out)
+    made, started = 0, time.perf_counter()
+    responses = (pool.responses(todo, rows) if pool is not None
+                 else _local_responses(todo, rows, threads, dtype, max_new_tokens, max_prompt))
+    for c, target, out in responses:
+        write_chunk(chunk_path(out_dir, c), out)
         made += sum(len(r["response_ids"]) for r in out)
         bar.update(1)
         rate = made / (time.perf_counter() - started)
         bar.set_postfix(tok_s=f"{rate:.0f}")
         logger.info("chunk %d (%s): %d rows, %d tokens this run, %.0f tok/s", c, target, len(out), made, rate)
     bar.close()
-    done = sum((out_dir / f"chunk-{c:06d}.jsonl.gz").exists() for c, _, _ in plan)
+    done = sum(chunk_path(out_dir, c).exists() for c, _, _ in plan)
     return {"chunks_done": done, "chunks_total": len(plan), "generated_tokens": made}
+
+
+def _local_responses(todo: list[tuple[int, str, slice]], rows: list[dict], threads: int | None, dtype: str,
+                     max_new_tokens: int, max_prompt: int):
+    """(chunk, target, response rows) for each planned chunk, generated in this process, in plan order."""
+    responders: dict[str, Responder] = {}
+    for c, target, sl in todo:
+        if target not in responders:
+            responders[target] = Responder(target, threads, dtype, max_new_tokens, max_prompt)
+        yield c, target, responders[target].respond(rows[sl])

@@ -267,7 +267,8 @@ class Run:
                 self._batches = batches(self.rows, len(self.rows), self.cfg.seed, epoch)
         return self._batches[i % len(self._batches)]
 
-    def loss_on(self, batch: Packed) -> tuple[torch.Tensor, list[float]]:
+    def loss_on(self, batch: Packed, shares: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor, list[float]]:
+        """The SoFT loss of `batch` and each exit's part (`shares`: a data-parallel rank's, forward.soft_loss)."""
         exits = self.cfg.exits()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = exit_logits(self.draft.parts, self.draft.layers, batch, exits, self.vocab, self.head_rows)
@@ -276,7 +277,7 @@ class Run:
             kd = ([c.lookup(batch, self.vocab, self.device) for c in self.kd_caches] if self.kd_caches
                   else [target_logits(m, batch, self.vocab) for m in self.kd_models])
         weights = self.cfg.exit_weights or [1.0] * len(exits)
-        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature, self.cfg.exit_distill)
+        return soft_loss(out, weights, kd, self.cfg.kd_weight, self.cfg.kd_temperature, self.cfg.exit_distill, shares)
 
     def train(self, progress: bool = True, until: int | None = None, deadline: float | None = None) -> list[dict]:
         """Train to cfg.steps (or stop early at `until`, or after the step that ends past `deadline`, a
@@ -285,16 +286,11 @@ class Run:
         stop = min(until or cfg.steps, cfg.steps)
         bar = tqdm(total=cfg.steps, initial=self.step, desc="SoFT", disable=not progress, dynamic_ncols=True)
         if self.step == 0 and not self.history:
-            self.record(self.validator.run())  # the untrained cut: the curve's first point
+            self.validate()  # the untrained cut: the curve's first point
         while self.step < stop:
             t0 = time.perf_counter()
             batch = self.batch_at(self.step)
-            loss, per_exit = self.loss_on(batch)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-            self.opt.step()
-            self.sched.step()
+            per_exit = self.train_step(batch)
             self.step += 1
             self.tokens += int((batch.labels != -100).sum())
             dt = time.perf_counter() - t0
@@ -304,8 +300,8 @@ class Run:
                                 + f" tok/s={batch.ids.numel() / dt:.0f}")
             self.last_losses = per_exit
             if self.step % cfg.val_every == 0 or self.step == cfg.steps:
-                self.record(self.validator.run())
-            late = deadline is not None and time.monotonic() >= deadline
+                self.validate()
+            late = self.past(deadline)
             if self.step % cfg.ckpt_every == 0 or self.step in (cfg.steps, stop) or late:
                 self.save_checkpoint()
             if late and self.step < stop:
@@ -313,6 +309,24 @@ class Run:
                 break
         bar.close()
         return self.history
+
+    def train_step(self, batch: Packed) -> list[float]:
+        """One optimiser step on `batch` (loss, backward, clip, AdamW, schedule); returns each exit's loss."""
+        loss, per_exit = self.loss_on(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        return per_exit
+
+    def validate(self) -> None:
+        """Measure the held-out agreement now and add it to the curve."""
+        self.record(self.validator.run())
+
+    def past(self, deadline: float | None) -> bool:
+        """Whether the run's time limit (a time.monotonic() value) has passed."""
+        return deadline is not None and time.monotonic() >= deadline
 
     def record(self, metrics: dict) -> None:
         entry = {"step": self.step, "tokens": self.tokens, "wall_s": round(self.wall, 1),
@@ -329,24 +343,29 @@ class Run:
             state["head_rows"] = self.head_rows.detach().clone()
         return state
 
+    def checkpoint_state(self, opt_state: dict | None = None) -> dict:
+        """What a checkpoint holds, CPU tensors only (model, optimiser state, vocabulary): it resumes on any device.
+        `opt_state`: the optimiser's state in torch AdamW's layout when another optimiser holds it (ZeRO)."""
+        return {"cfg": asdict(self.cfg), "step": self.step, "tokens": self.tokens, "wall": self.wall,
+                "history": self.history, "model": to_cpu(self.trainable_state()),
+                "opt": to_cpu(opt_state or self.opt.state_dict()), "sched": self.sched.state_dict(),
+                "vocab_ids": to_cpu(self.vocab.ids), "rng": torch.get_rng_state(), "rewarm_from": self.rewarm_from}
+
     def save_checkpoint(self) -> None:
-        """Atomically, with CPU tensors only (model, optimiser state, vocabulary): it resumes on any device."""
+        """Atomically (a temporary file renamed)."""
         tmp = self.out / (CKPT + ".tmp")
-        torch.save({"cfg": asdict(self.cfg), "step": self.step, "tokens": self.tokens, "wall": self.wall,
-                    "history": self.history, "model": to_cpu(self.trainable_state()),
-                    "opt": to_cpu(self.opt.state_dict()), "sched": self.sched.state_dict(),
-                    "vocab_ids": to_cpu(self.vocab.ids), "rng": torch.get_rng_state(),
-                    "rewarm_from": self.rewarm_from}, tmp)
+        torch.save(self.checkpoint_state(), tmp)
         tmp.replace(self.out / CKPT)
 
-    def resume(self) -> bool:
-        path = self.out / CKPT
+    def resume(self, path: Path | None = None) -> bool:
+        """Continue from the checkpoint at `path` (default: the one in --out); False when there is none."""
+        path = Path(path) if path is not None else self.out / CKPT
         if not path.exists():
             return False
         # Onto the CPU first, whichever device wrote it; load_state_dict then copies each tensor to its parameter's
         # device (the optimiser's state too, as torch's Optimizer.load_state_dict casts it to its parameter).
         ck = torch.load(path, weights_only=False, map_location="cpu")
-        self._check_same_run(ck["cfg"], path)
+        check_same_run(ck["cfg"], self.cfg, path)
         self.draft.layers.load_state_dict(ck["model"]["layers"])
         if self.head_rows is not None:
             self.draft.parts.norm.load_state_dict(ck["model"]["norm"])
@@ -359,14 +378,6 @@ class Run:
         logger.info("resumed %s at step %d", path, self.step)
         return True
 
-    def _check_same_run(self, saved: dict, source: Path) -> None:
-        """Fields added after `saved` was written count as equal when this run leaves them at their default;
-        RESUME_MAY_CHANGE may differ, and input paths compare as absolute paths (`_identity`)."""
-        defaults = asdict(SoftConfig())
-        current = {k: v for k, v in asdict(self.cfg).items() if k in saved or v != defaults[k]}
-        if _identity(saved) != _identity(current):
-            raise ValueError(f"{source} was written by a different configuration; use another --out or the same flags")
-
     def resume_from_draft(self, directory: Path) -> None:
         """Continue this run from a draft it exported (`--save`, `--export-only`): what carries a run to a machine
         without its checkpoint. The export is ~1/6 of a checkpoint (bf16 weights, no optimiser), so it is what
@@ -375,7 +386,7 @@ class Run:
         schedule position and the curve continue."""
         directory = Path(directory)
         manifest = json.loads((directory / "MANIFEST.json").read_text())
-        self._check_same_run(manifest["config"], directory)
+        check_same_run(manifest["config"], self.cfg, directory)
         init = load_draft(directory, self.target.model)
         mine = None if self.vocab.ids is None else self.vocab.ids.cpu()
         if (init.vocab_ids is None) != (mine is None) or (mine is not None and not torch.equal(init.vocab_ids, mine)):
@@ -412,6 +423,20 @@ class Run:
                     "curve": self.history}
         (directory / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
         return manifest
+
+
+def check_same_run(saved: dict, cfg: SoftConfig, source: Path) -> None:
+    """Refuse to continue `saved` (a checkpoint's or an export's config) with `cfg`, naming every setting that
+    differs. Fields added after `saved` was written count as equal when `cfg` leaves them at their default;
+    RESUME_MAY_CHANGE may differ, and input paths compare as absolute paths (`_identity`)."""
+    defaults = asdict(SoftConfig())
+    current = {k: v for k, v in asdict(cfg).items() if k in saved or v != defaults[k]}
+    old, new = _identity(saved), _identity(current)
+    if old != new:
+        differ = ", ".join(f"{k} ({old.get(k)!r} there, {new.get(k)!r} now)"
+                           for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+        raise ValueError(f"{source} was written by a different configuration: {differ}; use another --out or the "
+                         "same flags")
 
 
 PATH_FIELDS = ("data", "onpath_data", "init")  # files the run reads: the same file whether named relative or absolute

@@ -199,6 +199,32 @@ def test_question_selection_spreads_and_interleaves(questions_file):
     assert [q.question_id for q in picked][:6] == [81, 201, 301, 401, 501, 601] and picked[-1].question_id == 82
 
 
+def test_held_out_path_files_read_as_one_turn_questions():
+    rows = read_questions(Path(__file__).parents[2] / "data" / "draftq" / "heldout" / "smollm2-135m-instruct.jsonl")
+    assert len(rows) == 47 and {q.task for q in rows} == {"heldout"}
+    assert all(len(q.turns) == 1 and q.turns[0] for q in rows)
+    assert len(select_questions(rows, 8)) == 8
+
+
+def test_busy_neighbour_rows_are_measured_against_their_own_alone_runs():
+    from s2d_ray.bench.report import is_plain
+
+    def rec(method, qid, seconds):
+        return {"target": "t", "method": method, "question_id": qid, "category": "qa", "task": "qa", "turn": 1,
+                "prompt_tokens": 4, "new_tokens": 10, "seconds": seconds, "num_target_forwards": 10,
+                "num_draft_tokens": 0, "num_accepted_draft_tokens": 0, "exits": {}, "draft_seconds": None,
+                "target_seconds": None, "checked": False, "matches_baseline": None, "mismatch": None}
+    records = [rec(m, q, s) for q in (1, 2) for m, s in (("hf-generate", 1.0), ("ar", 0.8), ("ar+busy", 1.6),
+                                                          ("hf-generate+busy", 4.0))]
+    overall = summarize(records)["t"]["overall"]
+    assert overall["ar+busy"]["busy_vs_alone"] == pytest.approx(0.5)
+    assert overall["hf-generate+busy"]["busy_vs_alone"] == pytest.approx(0.25)
+    assert overall["ar"]["busy_vs_alone"] is None
+    assert not is_plain("ar+busy") and not is_plain("hf-generate:float32+busy") and is_plain("hf-generate:float32")
+    # the fastest plain decoding stays a run alone: ar's 12.5 tok/s, not a busy row
+    assert overall["ar+busy"]["speedup_vs_best_baseline"] == pytest.approx(0.5)
+
+
 def test_bad_bench_arguments_are_one_line_errors(tiny_dir, questions_file, tmp_path, capsys):
     base = ["bench", "spec", "--target", str(tiny_dir), "--draft", f"cut:{tiny_dir}:3", "--questions",
             str(questions_file), "--no-progress", "--out", str(tmp_path / "o"), "--threads", "1"]

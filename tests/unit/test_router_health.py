@@ -33,7 +33,7 @@ class _Handle:
 def _router(targets: dict[str, float | None], draft: float | None):
     cls = router_mod.Router.func_or_class
     self = object.__new__(cls)
-    sched = SimpleNamespace(num_running=0, waiting=[], timing=lambda: {})
+    sched = SimpleNamespace(num_running=0, waiting=[], timing=lambda: {}, engine=SimpleNamespace(suffix=None))
     self.cfg = SimpleNamespace(uses_draft=True)
     self.replica = "r0"
     self.affinities = []
