@@ -368,6 +368,13 @@ def serve_markdown(result: dict) -> str:
         lines.append(f"| {level} | {s['completed']} | {s['errors']} | {s['throughput_tokens_per_s']:.2f} | "
                      f"{s['requests_per_s']:.2f} | {_f(s['ttft_ms_p50'])}/{_f(s['ttft_ms_p99'])} | "
                      f"{_f(s['itl_ms_p50'])}/{_f(s['itl_ms_p99'])} | {_f(s['tpot_ms_p50'])}/{_f(s['tpot_ms_p99'])} |")
+    turn2 = [s for s in result["summary"] if s.get("turn2_completed")]
+    if turn2:  # the mt-bench workload: second turns, whose prompt carries the first turn and its answer
+        lines += ["", "| level | turn-2 requests | turn-2 TTFT p50/p90 ms |", "|---|---|---|"]
+        for s in turn2:
+            level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
+            lines.append(f"| {level} | {s['turn2_completed']} | {_f(s.get('turn2_ttft_ms_p50'))}/"
+                         f"{_f(s.get('turn2_ttft_ms_p90'))} |")
     pairs = compared_levels(result)
     if pairs:
         lines += ["", "| concurrency | speculative tok/s | plain tok/s | speculative / plain |", "|---|---|---|---|"]

@@ -42,7 +42,9 @@ def scale_app(serve_instance, tiny_family):
         "limits": {"max_tokens_limit": 64, "max_body_bytes": 8192, "max_concurrent_sequences": 8,
                    "max_queued_requests": 64, "request_timeout_s": 120.0},
         "api_key": API_KEY,
-        "router": {"num_replicas": 2, "num_cpus": 0.1},
+        # The home rule alone: a new sequence's replica by its router's rank, not by its prompt's prefix (prefix
+        # routing spreads one router's sequences on purpose: tests/serve/test_serve_prefix_routing.py).
+        "router": {"num_replicas": 2, "num_cpus": 0.1, "prefix_routing": {"enabled": False}},
         "num_threads": 1,
     }
     app = deploy_app(build_app(cfg), APP, serve_instance, cfg)
