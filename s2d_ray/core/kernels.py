@@ -27,18 +27,29 @@ class AttentionShape:
     device: torch.device
 
 
+# The kinds of pass an attention call belongs to, by its query rows (sequences) and queries per row: one sequence
+# decoding, one sequence's token tree or prompt, several sequences. The faster innermost kernel differs between them
+# (on a bf16 CPU SDPA is twice as fast for a tree and several times slower for a batch), so it is chosen per kind.
+ATTENTION_CASES = ("decode", "tree", "batch")
+
+
+def attention_case(rows: int, queries: int) -> str:
+    """The kind of pass (ATTENTION_CASES) with `rows` sequences of `queries` queries each."""
+    return "batch" if rows > 1 else "decode" if queries == 1 else "tree"
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     """How a stack's layers attend once the backend has routed them.
 
     grouped: through core/attention.py's `grouped_attention` (row groups, cache runs, one mask for every head);
-    False: the model's own attention with a mask per head. sdpa: grouped_attention's innermost kernel is torch's SDPA
-    instead of grouped matmuls. row_invariant: every query row attends alone over exactly the keys it sees, in the
+    False: the model's own attention with a mask per head. sdpa: the kinds of pass (ATTENTION_CASES) whose innermost
+    grouped_attention kernel is torch's SDPA instead of grouped matmuls. row_invariant: every query row attends alone over exactly the keys it sees, in the
     call a one-token decode step makes (grouped_attention's `row_invariant`), so its output never depends on the
     other rows, the pass's width or a token tree's shape."""
 
     grouped: bool = False
-    sdpa: bool = False
+    sdpa: frozenset[str] = frozenset()
     row_invariant: bool = False
 
 

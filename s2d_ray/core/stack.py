@@ -23,7 +23,7 @@ from torch import nn
 from .attention import plan_kv_groups
 from .cache import SlotKVCache, additive_mask, head_mask, slot_mask
 from .errors import CapacityError, ModelLoadError
-from .kernels import STOCK, AttentionShape, Kernels
+from .kernels import ATTENTION_CASES, STOCK, AttentionShape, Kernels, attention_case
 from .prefix_cache import PrefixCacheSpec, RetiredRows
 from .threads import AdaptiveThreads, intra_op_threads, pass_threads, size_bucket
 
@@ -119,10 +119,11 @@ class LayerStack(nn.Module):
         self.segments = list(zip(bounds[:-1], bounds[1:]))
         self.backend = kernels
         # grouped: attention runs through the slot cache's grouped path (core/attention.py: row groups, cache runs,
-        # query blocks), its innermost kernel SDPA when `sdpa_kernel`; else the model's own attention, a mask per head.
+        # query blocks), its innermost kernel SDPA for the kinds of pass in `sdpa_cases`; else the model's own
+        # attention, a mask per head.
         attention = kernels.attention(self.layers, AttentionShape(parts.num_heads, parts.num_kv_heads, parts.head_dim,
                                                                   self.dtype, self.device))
-        self.grouped, self.sdpa_kernel = attention.grouped, attention.sdpa
+        self.grouped, self.sdpa_cases = attention.grouped, attention.sdpa
         self.row_invariant = attention.row_invariant  # each query row alone, as a decode step computes it
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
@@ -149,7 +150,10 @@ class LayerStack(nn.Module):
         attention path. Chosen when a model loads, so a process that loaded beside busy neighbours may have chosen
         differently from a quiet one."""
         chosen = self.backend.describe([*self.layers, self.parts.head, self._head_fast])
-        return {**chosen, "attention": ("sdpa" if self.sdpa_kernel else "grouped") if self.grouped else "sdpa-masked"}
+        if not self.grouped:
+            return {**chosen, "attention": "sdpa-masked"}
+        return {**chosen, "attention": ",".join(f"{case}:{'sdpa' if case in self.sdpa_cases else 'grouped'}"
+                                                for case in ATTENTION_CASES)}
 
     def use_graphs(self, capture: bool | None = None) -> None:
         """Run segment calls padded to shape buckets, captured as CUDA graphs (default: on CUDA). `capture=False`
@@ -243,7 +247,7 @@ class LayerStack(nn.Module):
             extra["kv_groups"] = kv_groups
         if kv_runs is not None:
             extra["kv_runs"] = kv_runs
-        if self.sdpa_kernel:
+        if self.sdpa_cases and attention_case(x.shape[0], x.shape[1]) in self.sdpa_cases:
             extra["sdpa"] = True
         if self.row_invariant:
             extra["row_invariant"] = True

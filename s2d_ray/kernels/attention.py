@@ -1,9 +1,10 @@
 """Attention on the CPU: route Hugging Face decoder layers through the slot cache's grouped attention
 (core/attention.py), and choose its innermost kernel per machine.
 
-Grouped matmuls are several times faster than torch's SDPA on CPUs with native bf16, while on some AVX2 CPUs in
-float32 SDPA (with `enable_gqa`) is the faster innermost kernel (see BENCHMARKS.md). So the kernel is measured when a
-model loads (`sdpa_is_faster`), against the least time each candidate ever took on this machine
+Which innermost kernel is faster depends on the CPU, the dtype and the kind of pass: on a CPU with native bf16 the
+grouped matmuls are several times faster than torch's SDPA for a batch of decoding rows while SDPA is twice as fast
+for one sequence's token tree; in float32 SDPA (with `enable_gqa`) often wins everywhere (see BENCHMARKS.md). So the
+kernel is measured per kind of pass when a model loads (`sdpa_cases`), against the least time each candidate ever took on this machine
 (kernels/timing_store.py).
 """
 
@@ -26,12 +27,13 @@ SDPA_MIN_GAIN = 0.75  # SDPA must take at most this share of the grouped time: a
 
 
 @functools.lru_cache(maxsize=None)
-def sdpa_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   store: TimingStore | None = None, slots: int = 256, repeats: int = 12) -> bool:
-    """Whether torch's SDPA beats the grouped matmuls on this CPU for these heads and dtype (measured once per
-    process, shape and store): one row decoding, a 16-node tree, and 8 rows decoding over `slots` cached slots, with
-    the additive masks the slot cache builds, alternated, best of `repeats` each. SDPA must win by a quarter: a host
-    where the two are close keeps the grouped kernel every time instead of flipping between loads."""
+def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               store: TimingStore | None = None, slots: int = 256, repeats: int = 12) -> frozenset[str]:
+    """The kinds of pass (core/kernels.py ATTENTION_CASES) where torch's SDPA beats the grouped matmuls on this CPU
+    for these heads and dtype (measured once per process, shape and store): one row decoding, a 16-node tree, and 8
+    rows decoding over `slots` cached slots, with the additive masks the slot cache builds, alternated, best of
+    `repeats` each. SDPA must win by a quarter: a host where the two are close keeps the grouped kernel every time
+    instead of flipping between loads."""
     def case(rows: int, q: int) -> tuple:
         qry = torch.randn(rows, num_heads, q, head_dim).to(dtype)
         key = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)  # the cache's strided view
@@ -39,18 +41,22 @@ def sdpa_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torc
         mask = additive_mask(core_attention.causal(q, slots, qry.device).expand(rows, q, slots), dtype)
         return qry, key, value, mask
 
-    cases = [case(1, 1), case(1, 16), case(8, 1)]
-    best = {False: [float("inf")] * len(cases), True: [float("inf")] * len(cases)}
+    cases = {"decode": case(1, 1), "tree": case(1, 16), "batch": case(8, 1)}
+    best = {name: {False: float("inf"), True: float("inf")} for name in cases}
     with torch.no_grad():
         for _ in range(repeats):
             for kernel in (False, True):
-                for i, (qry, key, value, mask) in enumerate(cases):
+                for name, (qry, key, value, mask) in cases.items():
                     t0 = time.perf_counter()
                     core_attention.attend(qry, key, value, mask, head_dim ** -0.5, kernel)
-                    best[kernel][i] = min(best[kernel][i], time.perf_counter() - t0)
-    t = least_times(store, f"attention {num_heads}/{num_kv_heads}x{head_dim} {dtype} slots{slots} "
-                    f"t{torch.get_num_threads()}", {"grouped": sum(best[False]), "sdpa": sum(best[True])})
-    return t["sdpa"] < SDPA_MIN_GAIN * t["grouped"]
+                    best[name][kernel] = min(best[name][kernel], time.perf_counter() - t0)
+    chosen = set()
+    for name in cases:
+        t = least_times(store, f"attention {num_heads}/{num_kv_heads}x{head_dim} {dtype} slots{slots} "
+                        f"t{torch.get_num_threads()} {name}", {"grouped": best[name][False], "sdpa": best[name][True]})
+        if t["sdpa"] < SDPA_MIN_GAIN * t["grouped"]:
+            chosen.add(name)
+    return frozenset(chosen)
 
 
 def register() -> None:

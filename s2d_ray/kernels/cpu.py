@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.kernels import AttentionKernel, AttentionShape
+from ..core.kernels import ATTENTION_CASES, AttentionKernel, AttentionShape
 from ..errors import ConfigError
-from .attention import sdpa_is_faster, use_grouped
+from .attention import sdpa_cases, use_grouped
 from .linear import (
     PackedLinear, one_row_is_faster, one_row_supported, packed, packed_is_faster, supported, with_packed_linears,
 )
@@ -27,7 +27,7 @@ from .timing_store import TimingStore
 # "several" (the several-row choice only; one row stock), "stock" (torch's F.linear everywhere) or "packed" (every
 # Linear both ways where the dtype allows).
 LINEAR_KERNELS = ("auto", "several", "stock", "packed")
-# The innermost attention kernel: "auto" (measured), "grouped" (matmuls) or "sdpa" (torch's SDPA).
+# The innermost attention kernel: "auto" (measured per kind of pass), "grouped" (matmuls) or "sdpa" (torch's SDPA).
 ATTENTION_KERNELS = ("auto", "grouped", "sdpa")
 ENV_LINEAR_KERNEL = "S2D_LINEAR_KERNEL"  # overrides the configured projections for a process (benchmarks' A/B)
 
@@ -58,8 +58,10 @@ class CpuKernels:
         if shape.device.type != "cpu":
             return AttentionKernel()
         use_grouped(layers)
-        sdpa = self.attention_kernel == "sdpa" or self.attention_kernel == "auto" and sdpa_is_faster(
-            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, self.times)
+        if self.attention_kernel == "auto":
+            sdpa = sdpa_cases(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, self.times)
+        else:
+            sdpa = frozenset(ATTENTION_CASES if self.attention_kernel == "sdpa" else ())
         return AttentionKernel(grouped=True, sdpa=sdpa)
 
     def projections(self, module: nn.Module) -> nn.Module:

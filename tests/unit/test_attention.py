@@ -144,42 +144,54 @@ def test_prompt_passes_in_query_blocks_equal_one_block(monkeypatch):
         assert not torch.allclose(got, grouped_attention(None, query, key[:, :, :-6], value[:, :, :-6], mask)[0])
 
 
-def test_the_faster_kernel_is_chosen_by_measurement_and_reaches_the_layers(monkeypatch):
-    """`sdpa_is_faster` picks SDPA only when it measures a quarter faster (a slowed kernel loses either way); a stack
-    built with the choice passes it to every layer call, and greedy decoding is the same with either kernel."""
+def test_the_faster_kernel_is_chosen_per_kind_of_pass_and_reaches_the_layers(monkeypatch):
+    """`sdpa_cases` picks SDPA for a kind of pass only when it measures a quarter faster there (a slowed kernel loses
+    either way, and each kind of pass goes to its own faster kernel); a stack built with the choice passes SDPA to
+    exactly the layer calls of those kinds, and greedy decoding is the same with any choice."""
     import time
 
     import s2d_ray.core.attention as attention
     from core_fixtures import random_prompts, tiny_target
     from s2d_ray.core.engine import SpecEngine
+    from s2d_ray.core.kernels import ATTENTION_CASES, attention_case
     from s2d_ray.core.target import TargetVerifier
-    from s2d_ray.kernels.attention import sdpa_is_faster
+    from s2d_ray.kernels.attention import sdpa_cases
     from test_engine_exact import run
 
     real = attention.attend
 
-    def slowed(which):
+    def slowed(which, trees_apart=False):
         def attend(q, k, v, m, scale, kernel=False):
-            if kernel == which:
+            if kernel == (which if not trees_apart or attention_case(q.shape[0], q.shape[2]) != "tree" else not which):
                 time.sleep(0.002)
             return real(q, k, v, m, scale, kernel)
         return attend
 
-    measure = sdpa_is_faster.__wrapped__  # not the per-process cache; no store: this process's measurement alone
+    measure = sdpa_cases.__wrapped__  # not the per-process cache; no store: this process's measurement alone
     monkeypatch.setattr(attention, "attend", slowed(True))
-    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) is False
+    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) == frozenset()
     monkeypatch.setattr(attention, "attend", slowed(False))
-    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) is True
+    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) == frozenset(ATTENTION_CASES)
+    monkeypatch.setattr(attention, "attend", slowed(True, trees_apart=True))
+    assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) == {"tree"}
     monkeypatch.setattr(attention, "attend", real)
 
     seen, outs = [], {}
-    for kernel in ("grouped", "sdpa"):
+    for kernel in ("grouped", "sdpa", "trees"):
         model = tiny_target(seed=3)
-        verifier = TargetVerifier(model, kernels=CpuKernels(attention_kernel=kernel))
-        assert verifier.stack.sdpa_kernel is (kernel == "sdpa")
+        chosen = {"grouped": frozenset(), "sdpa": frozenset(ATTENTION_CASES), "trees": frozenset({"tree"})}[kernel]
+        monkeypatch.setattr("s2d_ray.kernels.cpu.sdpa_cases", lambda *a, **k: chosen)
+        verifier = TargetVerifier(model, kernels=CpuKernels(attention_kernel="auto"))
+        assert verifier.stack.sdpa_cases == chosen
         hook = model.model.layers[0].self_attn.register_forward_pre_hook(
-            lambda mod, args, kwargs: seen.append((kernel, kwargs.get("sdpa", False))), with_kwargs=True)
-        outs[kernel] = [o.token_ids for o in run(SpecEngine(verifier), random_prompts(3, seed=4), 12, batch=True)]
+            lambda mod, args, kwargs: seen.append(
+                (kernel, attention_case(*kwargs["hidden_states"].shape[:2]), kwargs.get("sdpa", False))),
+            with_kwargs=True)
+        engine = SpecEngine(verifier)
+        outs[kernel] = [[o.token_ids for o in run(engine, random_prompts(3, seed=4), 12, batch=batch)]
+                        for batch in (True, False)]
         hook.remove()
-    assert {("grouped", False), ("sdpa", True)} == set(seen)
-    assert outs["grouped"] == outs["sdpa"]
+    for kernel, case, sdpa in seen:
+        assert sdpa is (kernel == "sdpa" or kernel == "trees" and case == "tree"), (kernel, case)
+    assert {case for _, case, _ in seen} == set(ATTENTION_CASES)
+    assert outs["grouped"] == outs["sdpa"] == outs["trees"]
