@@ -172,5 +172,5 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "argv": sys.argv,
+        "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else [],  # no install path
     }

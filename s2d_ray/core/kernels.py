@@ -28,14 +28,18 @@ class AttentionShape:
 
 
 # The kinds of pass an attention call belongs to, by its query rows (sequences) and queries per row: one sequence
-# decoding, one sequence's token tree or prompt, several sequences. The faster innermost kernel differs between them
-# (on a bf16 CPU SDPA is twice as fast for a tree and several times slower for a batch), so it is chosen per kind.
-ATTENTION_CASES = ("decode", "tree", "batch")
+# decoding, one sequence's token tree (up to TREE_MAX_QUERIES positions), one sequence's prompt, several sequences.
+# The faster innermost kernel differs between them (on a bf16 CPU SDPA is twice as fast for a tree and several times
+# slower for a batch), so it is chosen per kind.
+ATTENTION_CASES = ("decode", "tree", "prompt", "batch")
+TREE_MAX_QUERIES = 32
 
 
 def attention_case(rows: int, queries: int) -> str:
     """The kind of pass (ATTENTION_CASES) with `rows` sequences of `queries` queries each."""
-    return "batch" if rows > 1 else "decode" if queries == 1 else "tree"
+    if rows > 1:
+        return "batch"
+    return "decode" if queries == 1 else "tree" if queries <= TREE_MAX_QUERIES else "prompt"
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ SDPA_MIN_GAIN = 0.75  # SDPA must take at most this share of the grouped time: a
 def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                store: TimingStore | None = None, slots: int = 256, repeats: int = 12) -> frozenset[str]:
     """The kinds of pass (core/kernels.py ATTENTION_CASES) where torch's SDPA beats the grouped matmuls on this CPU
-    for these heads and dtype (measured once per process, shape and store): one row decoding, a 16-node tree, and 8
-    rows decoding over `slots` cached slots, with the additive masks the slot cache builds, alternated, best of
+    for these heads and dtype (measured once per process, shape and store): one row decoding, a 16-node tree, a
+    128-position block of a prompt, and 8 rows decoding over `slots` cached slots, with the additive masks the slot cache builds, alternated, best of
     `repeats` each. SDPA must win by a quarter: a host where the two are close keeps the grouped kernel every time
     instead of flipping between loads."""
     def case(rows: int, q: int) -> tuple:
@@ -41,7 +41,8 @@ def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
         mask = additive_mask(core_attention.causal(q, slots, qry.device).expand(rows, q, slots), dtype)
         return qry, key, value, mask
 
-    cases = {"decode": case(1, 1), "tree": case(1, 16), "batch": case(8, 1)}
+    cases = {"decode": case(1, 1), "tree": case(1, 16), "prompt": case(1, core_attention.QUERY_BLOCK),
+             "batch": case(8, 1)}
     best = {name: {False: float("inf"), True: float("inf")} for name in cases}
     with torch.no_grad():
         for _ in range(repeats):

@@ -174,7 +174,7 @@ def test_greedy_speculation_with_packed_projections_equals_target_greedy():
         # What the served stats report: every projection of the target (7 a layer) and its head, or none.
         stats = verifier.stack.kernels()
         assert stats["packed_several"] == (7 * len(verifier.stack.layers) + 1 if kernel == "packed" else 0)
-        assert [part.split(":")[0] for part in stats["attention"].split(",")] == ["decode", "tree", "batch"]
+        assert [part.split(":")[0] for part in stats["attention"].split(",")] == ["decode", "tree", "prompt", "batch"]
         outs[kernel] = [r.token_ids for r in run(SpecEngine(verifier, drafter, FixedK(4)), prompts, 24, batch=True)]
     assert outs["packed"] == outs["stock"]
     assert outs["packed"] == [reference_greedy(model, p, 24) for p in prompts]
