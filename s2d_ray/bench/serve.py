@@ -357,6 +357,11 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _level(summary: dict) -> str:
+    """A level's row label: its concurrency, and the variant (speculative / plain) when the run compared both."""
+    return f"{summary['concurrency']} {summary['variant']}" if "variant" in summary else str(summary["concurrency"])
+
+
 def serve_markdown(result: dict) -> str:
     r = result["run"]
     lines = [f"{r['url']} model {r['model']}, max_tokens {r['max_tokens']}, temperature {r['temperature']}, "
@@ -364,16 +369,14 @@ def serve_markdown(result: dict) -> str:
              "| concurrency | completed | errors | tok/s | req/s | TTFT p50/p99 ms | ITL p50/p99 ms | TPOT p50/p99 ms |",
              "|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
-        level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
-        lines.append(f"| {level} | {s['completed']} | {s['errors']} | {s['throughput_tokens_per_s']:.2f} | "
+        lines.append(f"| {_level(s)} | {s['completed']} | {s['errors']} | {s['throughput_tokens_per_s']:.2f} | "
                      f"{s['requests_per_s']:.2f} | {_f(s['ttft_ms_p50'])}/{_f(s['ttft_ms_p99'])} | "
                      f"{_f(s['itl_ms_p50'])}/{_f(s['itl_ms_p99'])} | {_f(s['tpot_ms_p50'])}/{_f(s['tpot_ms_p99'])} |")
     turn2 = [s for s in result["summary"] if s.get("turn2_completed")]
     if turn2:  # the mt-bench workload: second turns, whose prompt carries the first turn and its answer
         lines += ["", "| level | turn-2 requests | turn-2 TTFT p50/p90 ms |", "|---|---|---|"]
         for s in turn2:
-            level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
-            lines.append(f"| {level} | {s['turn2_completed']} | {_f(s.get('turn2_ttft_ms_p50'))}/"
+            lines.append(f"| {_level(s)} | {s['turn2_completed']} | {_f(s.get('turn2_ttft_ms_p50'))}/"
                          f"{_f(s.get('turn2_ttft_ms_p90'))} |")
     pairs = compared_levels(result)
     if pairs:
@@ -391,8 +394,8 @@ def serve_markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in timed:
             t, tg, dr = s["server"], s["server"].get("target", {}), s["server"].get("draft", {})
-            level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
-            lines.append(f"| {level} | {t['rounds']} | {s['output_tokens'] / t['rounds']:.2f} | {t['round_ms']:.1f} | "
+            lines.append(f"| {_level(s)} | {t['rounds']} | {s['output_tokens'] / t['rounds']:.2f} | "
+                         f"{t['round_ms']:.1f} | "
                          f"{tg.get('calls', 0)} | {_f(tg.get('call_ms'))} | {_f(tg.get('replica_ms'))} | "
                          f"{_f(tg.get('overhead_ms'))} | {_f(tg.get('replica_cpu_ms'))} | {dr.get('calls', 0)} | "
                          f"{_f(dr.get('replica_ms'))} | {_f(dr.get('replica_cpu_ms'))} | {_f(dr.get('overhead_ms'))} |")
@@ -403,13 +406,12 @@ def serve_markdown(result: dict) -> str:
                   "caught up on tokens since its last drafting round):", "", "| level | " + " | ".join(SPENT_KINDS) + " |",
                   "|---" * (len(SPENT_KINDS) + 1) + "|"]
         for s in spent:
-            level = f"{s['concurrency']} {s['variant']}" if "variant" in s else s["concurrency"]
             cells = []
             for kind in SPENT_KINDS:
                 k = s["server"]["spent"].get(kind)
                 cells.append("-" if k is None else f"{k['rounds']} / {k['seconds']:.2f} s "
                              f"({k['draft_seconds']:.2f}) / {_f(1e3 * k['seconds'] / k['tokens'] if k['tokens'] else None)}")
-            lines.append(f"| {level} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_level(s)} | " + " | ".join(cells) + " |")
     if result.get("twin"):
         lines += ["", twin_markdown(result["twin"]).rstrip("\n")]
     errors = [e for s in result["summary"] for e in s["error_samples"]]

@@ -48,9 +48,9 @@ class AttentionKernel:
 
     grouped: through core/attention.py's `grouped_attention` (row groups, cache runs, one mask for every head);
     False: the model's own attention with a mask per head. sdpa: the kinds of pass (ATTENTION_CASES) whose innermost
-    grouped_attention kernel is torch's SDPA instead of grouped matmuls. row_invariant: every query row attends alone over exactly the keys it sees, in the
-    call a one-token decode step makes (grouped_attention's `row_invariant`), so its output never depends on the
-    other rows, the pass's width or a token tree's shape."""
+    grouped_attention kernel is torch's SDPA instead of grouped matmuls. row_invariant: every query row attends alone
+    over exactly the keys it sees, in the call a one-token decode step makes (grouped_attention's `row_invariant`),
+    so its output never depends on the other rows, the pass's width or a token tree's shape."""
 
     grouped: bool = False
     sdpa: frozenset[str] = frozenset()

@@ -4,8 +4,8 @@
 Which innermost kernel is faster depends on the CPU, the dtype and the kind of pass: on a CPU with native bf16 the
 grouped matmuls are several times faster than torch's SDPA for a batch of decoding rows while SDPA is twice as fast
 for one sequence's token tree; in float32 SDPA (with `enable_gqa`) often wins everywhere (see BENCHMARKS.md). So the
-kernel is measured per kind of pass when a model loads (`sdpa_cases`), against the least time each candidate ever took on this machine
-(kernels/timing_store.py).
+kernel is measured per kind of pass when a model loads (`sdpa_cases`), against the least time each candidate ever
+took on this machine (kernels/timing_store.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
                store: TimingStore | None = None, slots: int = 256, repeats: int = 12) -> frozenset[str]:
     """The kinds of pass (core/kernels.py ATTENTION_CASES) where torch's SDPA beats the grouped matmuls on this CPU
     for these heads and dtype (measured once per process, shape and store): one row decoding, a 16-node tree, a
-    128-position block of a prompt, and 8 rows decoding over `slots` cached slots, with the additive masks the slot cache builds, alternated, best of
-    `repeats` each. SDPA must win by a quarter: a host where the two are close keeps the grouped kernel every time
-    instead of flipping between loads."""
+    128-position block of a prompt, and 8 rows decoding over `slots` cached slots, with the additive masks the slot
+    cache builds, alternated, best of `repeats` each. SDPA must win by a quarter: a host where the two are close
+    keeps the grouped kernel every time instead of flipping between loads."""
     def case(rows: int, q: int) -> tuple:
         qry = torch.randn(rows, num_heads, q, head_dim).to(dtype)
         key = torch.randn(rows, slots, num_kv_heads, head_dim).to(dtype).transpose(1, 2)  # the cache's strided view

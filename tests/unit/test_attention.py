@@ -160,19 +160,19 @@ def test_the_faster_kernel_is_chosen_per_kind_of_pass_and_reaches_the_layers(mon
 
     real = attention.attend
 
-    def slowed(which, trees_apart=False):
+    def slowed(slow_sdpa):  # slow_sdpa(kind of pass): True slows SDPA there, False the grouped matmuls
         def attend(q, k, v, m, scale, kernel=False):
-            if kernel == (which if not trees_apart or attention_case(q.shape[0], q.shape[2]) != "tree" else not which):
+            if kernel == slow_sdpa(attention_case(q.shape[0], q.shape[2])):
                 time.sleep(0.002)
             return real(q, k, v, m, scale, kernel)
         return attend
 
     measure = sdpa_cases.__wrapped__  # not the per-process cache; no store: this process's measurement alone
-    monkeypatch.setattr(attention, "attend", slowed(True))
+    monkeypatch.setattr(attention, "attend", slowed(lambda case: True))
     assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) == frozenset()
-    monkeypatch.setattr(attention, "attend", slowed(False))
+    monkeypatch.setattr(attention, "attend", slowed(lambda case: False))
     assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) == frozenset(ATTENTION_CASES)
-    monkeypatch.setattr(attention, "attend", slowed(True, trees_apart=True))
+    monkeypatch.setattr(attention, "attend", slowed(lambda case: case != "tree"))
     assert measure(4, 2, 8, torch.float64, slots=32, repeats=3) == {"tree"}
     monkeypatch.setattr(attention, "attend", real)
 
