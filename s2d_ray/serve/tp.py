@@ -30,6 +30,7 @@ from ..core.types import ScoreRequest
 from ..errors import ServiceUnavailableError
 from ..models import canonical_source, resolve_model_dir
 from ..models.shards import checkpoint_files, load_sharded, peak_rss_bytes, reset_peak_rss
+from ..shm_buffers import remove_shm_buffers, unlink_when_mapped
 from .app_config import TargetSpec
 from .replica import device_report, process_model_thread, release_all, return_freed_memory, score_counted
 
@@ -119,6 +120,7 @@ class TPWorker:
         import torch.distributed as dist
 
         deepspeed.init_distributed(verbose=False)
+        unlink_when_mapped(self.rank, dist.barrier)  # a killed rank leaves no /dev/shm file behind
         reset_peak_rss()  # the peak reported is loading's
         model, loading = self._load()
         self.verifier = TargetVerifier(model, cuda_graphs=False,  # all-reduces inside: not captured
@@ -252,17 +254,3 @@ class TPGroup:
             ray.kill(w, no_restart=True)
         remove_shm_buffers(self.port)
 
-
-def remove_shm_buffers(port: int, shm_dir: str = "/dev/shm") -> int:
-    """Delete DeepSpeed's CPU all-reduce buffers of the group on `port` (one ~67 MB file per rank, named
-    deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>): DeepSpeed never unlinks them, and a suite or an
-    autoscaling app that starts TP groups again and again would fill /dev/shm until Ray's memory monitor kills workers.
-    Run when the group's ranks are gone (the mappings die with them); returns how many files were removed."""
-    removed = 0
-    for path in Path(shm_dir).glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        try:
-            path.unlink()
-            removed += 1
-        except OSError:
-            pass
-    return removed

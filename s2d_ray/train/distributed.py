@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..shm_buffers import unlink_when_mapped
 from .data import Packed
 from .soft import CKPT, Run, SoftConfig
 
@@ -111,6 +112,7 @@ class DistributedRun(Run):
                   "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1}
         engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=self.opt, lr_scheduler=self.sched,
                                                config=config)
+        unlink_when_mapped(self.world.rank, dist.barrier)  # a restarted worker group leaves no /dev/shm file behind
         return engine
 
     def _load_zero_state(self, saved: dict) -> None:

@@ -28,6 +28,7 @@ def ref64(tiny_family) -> Reference:
 @pytest.mark.tp
 def test_tp_target_gives_the_same_tokens_as_tp1(tiny_app, ref32):
     from s2d_ray.serve.openai_protocol import GenerateRequest
+    from s2d_ray.shm_buffers import buffer_paths
 
     stats = tiny_app.handle.stats.remote().result()["targets"]["tiny-tp"]["deployment"]
     assert stats["tp_size"] == 2 and len(stats["ranks"]) == 2
@@ -39,6 +40,7 @@ def test_tp_target_gives_the_same_tokens_as_tp1(tiny_app, ref32):
         resp = tiny_app.handle.generate.remote(GenerateRequest(model="tiny-tp", prompt=prompt, max_tokens=24)).result()
         assert resp.token_ids == ref32.greedy(ref32.ids(prompt), 24)
         assert resp.metrics["num_draft_tokens"] > 0
+    assert buffer_paths(stats["port"]) == []  # all-reduces still run on the mappings; no /dev/shm file outlives them
 
 
 def test_every_replica_counts_its_collector_pauses(tiny_app):

@@ -19,7 +19,7 @@ LAYERS = {
     "core": 0,
     "errors": 1, "hardware": 1,
     "kernels": 2,
-    "config": 3, "prompts": 3, "models": 3, "gc_pauses": 3, "structured": 3,
+    "config": 3, "prompts": 3, "models": 3, "gc_pauses": 3, "shm_buffers": 3, "structured": 3,
     "build": 4,
     "commands": 5, "serve": 5,
     "fleet": 6,

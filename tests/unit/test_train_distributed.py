@@ -17,6 +17,7 @@ import torch
 
 from helpers import make_tiny_tokenizer, save_tiny_llama
 from s2d_ray.errors import ConfigError
+from s2d_ray.shm_buffers import buffer_paths
 from s2d_ray.train.cluster import WorkerSpec
 from s2d_ray.train.data import check_token_rows
 from s2d_ray.train.distributed import slice_rows
@@ -164,7 +165,9 @@ def test_zero2_resumes_a_one_process_checkpoint_and_hands_back_its_own(base, str
     shutil.copy(root / "step2.pt", Path(two.out) / CKPT)
     plan = ParallelTraining(workers=WorkerSpec(num_workers=2), zero=2, resume=True, stop_at=4, progress=False,
                             max_failures=0)
+    left = set(buffer_paths("*"))
     assert train_on_ray(two, plan)["steps"] == 4
+    assert set(buffer_paths("*")) <= left  # DeepSpeed's /dev/shm buffers went with the workers
     ck = torch.load(Path(two.out) / CKPT, weights_only=False)
     assert set(ck["opt"]["state"]) == set(range(len(straight.params)))
     torch.testing.assert_close(torch.tensor(losses(ck["history"], 4)), torch.tensor(losses(straight.history, 4)),
