@@ -92,9 +92,12 @@ class BatchOptions(_Strict):
         "runs merge anyway: at low concurrency a wait only adds its length to every round."
     )
     max_live_sequences: int = Field(
-        32, ge=1, description="Sequences whose KV one replica keeps (cache rows). Past it the least recently used "
-        "sequence's row is reclaimed (it recomputes if it returns) and larger forwards are split; with the context "
-        "this bounds replica memory (docs/SERVING.md, 'Memory per replica')."
+        32, ge=1, description="Sequences whose KV one replica keeps (cache rows); in an app, unset means 32 or, "
+        "where more, as many as a router decodes together (a target's max_concurrent_sequences; for the draft, their "
+        "sum over the targets); rows beyond the live sequences keep finished ones' prefixes (prefix_cache). "
+        "Past it the least recently used sequence's row is reclaimed (it recomputes if it returns) and larger forwards "
+        "are split, so a router decodes at most this many of a target's sequences together (the rest queue); with "
+        "the context this bounds replica memory (docs/SERVING.md, 'Memory per replica')."
     )
 
 
@@ -329,6 +332,30 @@ class AppConfig(_Strict):
     suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="Drafting from earlier outputs: one store "
                                  "per target in each router replica (docs/CACHING.md).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rows_follow_admission(cls, data: Any) -> Any:
+        """Unset max_live_sequences: the rows a router's rounds need. With fewer rows than the sequences a router
+        decodes together, every round reclaims rows its own sequences still use, and each of those recomputes its
+        whole context (the served sweep collapsed at 64 requests on 32 rows)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        limits = data.get("limits")
+        limits = limits if isinstance(limits, Limits) else Limits.model_validate(limits or {})
+        targets = [t.model_dump(exclude_unset=True) if isinstance(t, BaseModel) else dict(t)
+                   for t in data.get("targets", [{"name": DEFAULT_TARGET}])]
+        floor, admitted = BatchOptions.model_fields["max_live_sequences"].default, 0
+        for t in targets:
+            decoded = t.get("max_concurrent_sequences") or limits.max_concurrent_sequences
+            t.setdefault("max_live_sequences", max(floor, decoded))
+            admitted += min(t["max_live_sequences"], decoded)
+        draft = data.get("draft") or {}
+        draft = draft.model_dump(exclude_unset=True) if isinstance(draft, BaseModel) else dict(draft)
+        draft.setdefault("max_live_sequences", max(floor, admitted))
+        data.update(targets=targets, draft=draft)
+        return data
+
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
         names = [t.name for t in self.targets]
@@ -387,9 +414,11 @@ class AppConfig(_Strict):
         )
 
     def max_sequences(self, name: str) -> int:
-        """Sequences a router decodes together for a target; with `memory_fraction`, at most the KV rows a replica
-        holds (admission control: the rest queue instead of running out of memory)."""
-        configured = self.target(name).max_concurrent_sequences or self.limits.max_concurrent_sequences
+        """Sequences a router decodes together for a target: at most the KV rows a replica keeps (max_live_sequences,
+        and with `memory_fraction` what fits); the rest queue instead of evicting each other or running out of
+        memory."""
+        spec = self.target(name)
+        configured = min(spec.max_concurrent_sequences or self.limits.max_concurrent_sequences, spec.max_live_sequences)
         capacity = self.target_capacity(name)
         return configured if capacity is None else min(configured, capacity.rows)
 

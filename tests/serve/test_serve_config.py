@@ -96,6 +96,25 @@ def test_local_yaml_fits_a_two_cpu_ray():
     assert any(t.tp_size == 3 for t in cfg.targets)
 
 
+def test_a_router_never_decodes_more_sequences_than_a_replica_keeps_rows_for():
+    """Unset rows follow the admission (local.yaml's 64-sequence target keeps 64 rows; the draft the sum over the
+    targets); rows set lower cap the admission. A router decoding 64 sequences on 32 rows reclaimed rows every round
+    and each reclaimed sequence recomputed its context."""
+    app = yaml.safe_load((REPO / "deployments" / "local.yaml").read_text())["applications"][0]
+    cfg = AppConfig.model_validate(app["args"])
+    for t in cfg.targets:
+        assert t.max_live_sequences == max(32, t.max_concurrent_sequences)
+        assert cfg.max_sequences(t.name) == t.max_concurrent_sequences
+    assert cfg.max_sequences("smollm2-135m-instruct") == cfg.target("smollm2-135m-instruct").max_live_sequences == 64
+    assert cfg.draft.max_live_sequences == sum(cfg.max_sequences(t.name) for t in cfg.targets) == 76
+    capped = AppConfig.model_validate({"targets": [{"name": "a", "max_concurrent_sequences": 64,
+                                                    "max_live_sequences": 16}], "draft": {"max_live_sequences": 8}})
+    assert capped.max_sequences("a") == 16
+    assert capped.draft.max_live_sequences == 8  # what the config says stays
+    plain = AppConfig.model_validate({})
+    assert plain.targets[0].max_live_sequences == 32 and plain.max_sequences(plain.targets[0].name) == 8
+
+
 def test_cluster_yaml_passes_ray_validation():
     from ray.autoscaler._private.util import prepare_config, validate_config
 
