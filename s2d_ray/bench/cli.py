@@ -22,11 +22,13 @@ from .structured import register as register_structured
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
-                       "load), draft-capacity (the shared draft under that load), gpu-check and gpu-profile (on a GPU)")
+                       "load), draft-capacity (the shared draft under that load), exits (when deeper exits pay), gpu-check and "
+                       "gpu-profile (on a GPU)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
     _register_plan_check(bench)
+    _register_exits(bench)
     _register_serve(bench)
     _register_draft_capacity(bench)
     _register_gpu(bench)
@@ -180,6 +182,42 @@ def run_plan_check(args: argparse.Namespace) -> int:
                                  tuple(args.batches), args.repeats, args.quick, args.prompts,
                                  str(args.data) if args.data else None))
     return _write_report(args.out or _default_out("plan-check"), "plan_check", result, check_markdown(result))
+
+
+# --- exits -----------------------------------------------------------------------------------------------------------
+def _register_exits(bench) -> None:
+    from .exits import PROFILES
+    from ..fleet.hardware import DEVICES
+
+    p = bench.add_parser("exits", help="when a sorted draft's deeper exits pay: each exit alone, modelled from its "
+                         "measured agreement and each machine's costs (CPU profiles; GPUs through the fleet model)")
+    p.add_argument("--profiles", type=Path, default=PROFILES,
+                   help="calibration profiles (default: the committed draft's): CPU rows, one per machine they carry")
+    p.add_argument("--config", type=Path, default=Path("deployments/gpu.yaml"),
+                   help="Serve YAML whose targets and draft the GPU rows model (none: CPU rows only)")
+    p.add_argument("--devices", type=NAMES, default=["h100", "l40s"], help=f"GPUs to model ({', '.join(DEVICES)})")
+    p.add_argument("--agree-from", type=Path, default=None,
+                   help="profile whose per-exit agreement the GPU rows take (default: the instruct bf16 profile)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/exits-<time>)")
+    p.set_defaults(func=run_exits)
+
+
+def run_exits(args: argparse.Namespace) -> int:
+    from .exits import cpu_tables, gpu_tables, markdown
+    from ..fleet.hardware import device
+
+    if not args.profiles.is_dir() or not any(args.profiles.glob("*.json")):
+        raise ConfigError(f"--profiles {args.profiles}: no calibration profiles (*.json) there")
+    tables = cpu_tables(args.profiles)
+    if str(args.config) != "none":
+        if not args.config.is_file():
+            raise ConfigError(f"--config {args.config}: no such file (none: CPU rows only)")
+        agree_from = args.agree_from or args.profiles / "smollm2-135m-instruct.bfloat16.json"
+        if not agree_from.is_file():
+            raise ConfigError(f"--agree-from {agree_from}: no such profile")
+        for name in args.devices:
+            tables += gpu_tables(args.config, device(name), agree_from)
+    return _write_report(args.out or _default_out("exits"), "exits", {"tables": tables}, markdown(tables))
 
 
 # --- serve -----------------------------------------------------------------------------------------------------------
