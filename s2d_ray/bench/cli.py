@@ -22,8 +22,8 @@ from .structured import register as register_structured
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
-                       "load), draft-capacity (the shared draft under that load), exits (when deeper exits pay), gpu-check and "
-                       "gpu-profile (on a GPU)")
+                       "load), draft-capacity (the shared draft under that load), exits (when deeper exits pay), "
+                       "gpu-check and gpu-profile (on a GPU)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
@@ -186,8 +186,8 @@ def run_plan_check(args: argparse.Namespace) -> int:
 
 # --- exits -----------------------------------------------------------------------------------------------------------
 def _register_exits(bench) -> None:
-    from .exits import PROFILES
     from ..fleet.hardware import DEVICES
+    from .exits import PROFILES
 
     p = bench.add_parser("exits", help="when a sorted draft's deeper exits pay: each exit alone, modelled from its "
                          "measured agreement and each machine's costs (CPU profiles; GPUs through the fleet model)")
@@ -203,8 +203,8 @@ def _register_exits(bench) -> None:
 
 
 def run_exits(args: argparse.Namespace) -> int:
-    from .exits import cpu_tables, gpu_tables, markdown
     from ..fleet.hardware import device
+    from .exits import cpu_tables, gpu_tables, markdown
 
     if not args.profiles.is_dir() or not any(args.profiles.glob("*.json")):
         raise ConfigError(f"--profiles {args.profiles}: no calibration profiles (*.json) there")

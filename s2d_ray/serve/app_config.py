@@ -337,7 +337,7 @@ class AppConfig(_Strict):
     def _rows_follow_admission(cls, data: Any) -> Any:
         """Unset max_live_sequences: the rows a router's rounds need. With fewer rows than the sequences a router
         decodes together, every round reclaims rows its own sequences still use, and each of those recomputes its
-        whole context (the served sweep collapsed at 64 requests on 32 rows)."""
+        whole context; rows beyond the live sequences keep finished prefixes."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
