@@ -59,6 +59,7 @@ def exit_rows(agree: list[float], draft_ms: list[float], verify_ms: Callable[[in
 
 def cpu_tables(profiles: Path = PROFILES) -> list[dict]:
     """Every committed profile (target x dtype) on every machine whose costs it carries."""
+    from ..hardware import costs_machine
     from ..train.calibrate import Costs
 
     out = []
@@ -66,7 +67,7 @@ def cpu_tables(profiles: Path = PROFILES) -> list[dict]:
         p = json.loads(path.read_text())
         layers = p["exit_layers"]
         agree = [p["on_path"]["agree"][str(e)] for e in layers]
-        machines = {(p.get("costs_measured") or {}).get("machine", "unrecorded"): p["costs_ms"]}
+        machines = {costs_machine(p) or "unrecorded": p["costs_ms"]}
         machines.update({m: e["costs_ms"] for m, e in (p.get("costs_by_machine") or {}).items()})
         for machine, costs_ms in machines.items():
             costs = Costs.from_profile(costs_ms)
@@ -93,11 +94,10 @@ def gpu_tables(config: Path, dev: Device, profile: Path, context: int = 512) -> 
         common = dict(target=model_shape(t.resolved_source), dev=dev, tp=t.tp_size, context=context,
                       dtype_bytes=dtype_bytes(t.dtype, dev))
         base = Replica(**common)
-        verify = lambda n, base=base: base.round_ms(1, 0) - base.verify_ms(1, 1) + base.verify_ms(1, n)  # noqa: E731
         draft_ms = [Replica(**common, draft=dshape.shard(t.tp_size), draft_depth=e).draft_ms(1) for e in layers]
-        # a speculative round's own overhead belongs to every exit alike: charged to the verification of k + 1
-        spec = dev.spec_round_overhead_ms
-        rows = exit_rows(agree, draft_ms, lambda n: verify(n) + (spec if n > 1 else 0.0))
+        # verifying n positions: a round of n - 1 drafts without their drafting (a draft-less replica drafts for
+        # free), so the engine's round and a speculative round's overheads count alike for every exit
+        rows = exit_rows(agree, draft_ms, lambda n, base=base: base.round_ms(1, n - 1))
         out.append({"machine": f"{dev.name} (fleet model)", "target": t.name, "dtype": t.dtype,
                     "exits": [{"layer": e, **r} for e, r in zip(layers, rows)]})
     return out
