@@ -48,13 +48,19 @@ class AdaptiveThreads:
     barrier for the thread the neighbour descheduled, and runs several times slower than on one core. So each pass
     kind (`key`: a segment and a size bucket) keeps its last few times per candidate count, runs on the fastest, and
     re-times the others now and then (every `probe_every` passes, and at once when a pass takes `jump` times its usual
-    time): the count follows what the process actually gets. One instance per stack, used from one thread."""
+    time): the count follows what the process actually gets. A probe runs a pass on a slower count, so while all
+    threads stay fastest the interval doubles with every probe that confirms it, up to `max_probe_every`: losing
+    cores shows as a jump anyway, and only a return to all threads (a neighbour that left) needs the probes, which
+    keep `probe_every` while fewer threads are fastest. One instance per stack, used from one thread."""
 
-    def __init__(self, probe_every: int = 32, window: int = 3, jump: float = 3.0,
+    def __init__(self, probe_every: int = 32, window: int = 3, jump: float = 3.0, max_probe_every: int = 512,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.probe_every, self.window, self.jump, self.clock = probe_every, window, jump, clock
+        self.max_probe_every = max(max_probe_every, probe_every)
         self._times: dict[Hashable, dict[int, deque[float]]] = {}
-        self._calls: dict[Hashable, int] = {}
+        self._calls: dict[Hashable, int] = {}  # passes since the key's last probe
+        self._every: dict[Hashable, int] = {}  # the key's current probe interval
+        self._probing: dict[Hashable, int] = {}  # keys whose last pass was a probe -> the count that was fastest
         self._probe: set[Hashable] = set()  # keys whose next pass re-times another count (a jump was seen)
         self._timed_at: dict[tuple[Hashable, int], int] = {}  # when each (key, count) was last timed
         self._tick = itertools.count()
@@ -71,21 +77,37 @@ class AdaptiveThreads:
         for n in counts:  # every candidate timed once first, the widest first
             if not times.get(n):
                 return n
-        best = min(counts, key=lambda n: statistics.median(times[n]))
+        best = self._fastest(times)
         calls = self._calls[key] = self._calls.get(key, 0) + 1
-        if key in self._probe or calls % self.probe_every == 0:
+        if key in self._probe or calls >= self._every.get(key, self.probe_every):
             self._probe.discard(key)
+            self._calls[key] = 0
+            self._probing[key] = best
             others = [n for n in counts if n != best]
             return min(others, key=lambda n: self._timed_at.get((key, n), -1))
         return best
 
+    @staticmethod
+    def _fastest(times: dict[int, deque[float]]) -> int:
+        return min((n for n in times if times[n]), key=lambda n: statistics.median(times[n]))
+
     def record(self, key: Hashable, threads: int, seconds: float) -> None:
         """A pass of kind `key` on `threads` threads took `seconds`."""
-        times = self._times.setdefault(key, {}).setdefault(threads, deque(maxlen=self.window))
-        if len(times) == self.window and seconds > self.jump * statistics.median(times):
+        by_count = self._times.setdefault(key, {})
+        times = by_count.setdefault(threads, deque(maxlen=self.window))
+        jumped = len(times) == self.window and seconds > self.jump * statistics.median(times)
+        if jumped:
             self._probe.add(key)
         times.append(seconds)
         self._timed_at[(key, threads)] = next(self._tick)
+        before = self._probing.pop(key, None)
+        if jumped:
+            self._every[key] = self.probe_every
+        elif before is not None:  # a probe: back off while all threads stay fastest, else probe at the base rate
+            widest = max(by_count)
+            kept = self._fastest(by_count) == before == widest
+            every = self._every.get(key, self.probe_every)
+            self._every[key] = min(2 * every, self.max_probe_every) if kept else self.probe_every
 
     @contextlib.contextmanager
     def run(self, key: Hashable, most: int | None = None) -> Iterator[None]:

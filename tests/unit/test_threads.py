@@ -17,12 +17,30 @@ def drive(governor: AdaptiveThreads, costs: list[dict[int, float]], key="k", mos
     return chosen
 
 
-def test_alone_it_keeps_all_threads_and_rarely_probes():
-    gov = AdaptiveThreads(probe_every=32)
-    chosen = drive(gov, [{2: 1.0, 1: 1.6}] * 200)
+def test_alone_it_keeps_all_threads_and_probes_ever_more_rarely():
+    gov = AdaptiveThreads(probe_every=32, max_probe_every=256)
+    chosen = drive(gov, [{2: 1.0, 1: 1.6}] * 2000)
     assert chosen[:2] == [2, 1]  # each candidate timed once, the widest first
-    assert chosen.count(1) <= 2 + 200 // 32 + 1  # then only the periodic probes
+    probes = [i for i, n in enumerate(chosen) if n == 1][1:]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [64, 128, 256, 256]  # each confirming probe doubles the interval, up to its cap
+    assert len(probes) <= 2000 // 256 + 4  # a fixed interval of 32 would probe 62 times
     assert chosen[-1] == 2
+
+
+def test_negative_control_a_fixed_interval_probes_at_the_base_rate():
+    gov = AdaptiveThreads(probe_every=32, max_probe_every=32)
+    chosen = drive(gov, [{2: 1.0, 1: 1.6}] * 2000)
+    assert chosen.count(1) >= 2000 // 32 - 1
+
+
+def test_while_fewer_threads_are_fastest_probes_keep_the_base_rate():
+    gov = AdaptiveThreads(probe_every=16, max_probe_every=1024)
+    busy, idle = {2: 8.0, 1: 1.7}, {2: 1.0, 1: 1.6}
+    chosen = drive(gov, [idle] * 600 + [busy] * 400 + [idle] * 40)
+    assert chosen[990:1000].count(1) >= 9  # the neighbour's time runs on one thread
+    back = next(i for i in range(1000, 1040) if chosen[i:i + 5] == [2] * 5)
+    assert back - 1000 <= 16 + 5  # found within one base interval, however long it ran alone before
 
 
 def test_a_busy_neighbour_moves_it_to_one_thread_within_a_few_passes_and_back_when_it_leaves():
