@@ -239,9 +239,11 @@ def _register_serve(bench) -> None:
                    "first prompts), and not counted: a fresh server's first few requests pay one-time costs")
     p.add_argument("--twin", type=Path, default=None, metavar="YAML",
                    help="the served app's Serve YAML: after the levels, build its engine for --model in this process "
-                   "and alternate served and in-process runs of the same requests at concurrency 1 (--twin-pairs "
+                   "and alternate served and in-process runs of the same requests at --twin-concurrency (--twin-pairs "
                    "times per variant): served / in-process, each pair minutes apart")
     p.add_argument("--twin-pairs", type=int, default=3, help="served / in-process pairs per variant with --twin")
+    p.add_argument("--twin-concurrency", type=INTS, default=[1], help="comma list: the concurrencies the --twin "
+                   "pairs run at (each pair's twin decodes with as many closed-loop clients)")
     p.add_argument("--workload", choices=["mixed", "shared-prefix", "repeated", "mt-bench"], default="mixed",
                    help="prompts: the mixed ones; each after one ~700-token system prompt; or the mixed list twice "
                    "(set --requests to the prompt count for one pass each; see docs/CACHING.md); or MT-Bench's two-turn chats, turn "
@@ -296,8 +298,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--warmup must be >= 0")
     if args.twin_pairs < 1:
         raise ConfigError("--twin-pairs must be >= 1")
+    if any(c < 1 for c in args.twin_concurrency):
+        raise ConfigError("--twin-concurrency: every level must be >= 1")
     load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup,
-                   twin_pairs=args.twin_pairs if args.twin else 0)
+                   twin_pairs=args.twin_pairs if args.twin else 0, twin_concurrency=tuple(args.twin_concurrency))
     prompts = workload_prompts(args.workload, mixed_prompts(args.questions))
     twin = None
     if args.twin:  # built first: a config that cannot make the twin fails before the load runs

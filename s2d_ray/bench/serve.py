@@ -94,10 +94,11 @@ class LoadRun:
     # too; SGLang's bench_serving and vLLM's benchmark_serving send a first request the same way. The CLI's default
     # is 4.
     warmup: int = 0
-    # With an in-process twin (bench/twin.py): after the levels, this many pairs at concurrency 1, each variant
-    # served and in process on the same requests, the order alternating (served first, then twin first): each
-    # ratio compares runs minutes apart, on a host whose speed can drift more than the overhead measured.
+    # With an in-process twin (bench/twin.py): after the levels, this many pairs at each of `twin_concurrency`, each
+    # variant served and in process on the same requests, the order alternating (served first, then twin first):
+    # each ratio compares runs minutes apart, on a host whose speed can drift more than the overhead measured.
     twin_pairs: int = 0
+    twin_concurrency: tuple[int, ...] = (1,)
 
 
 @dataclass
@@ -307,46 +308,50 @@ async def run_load(run: LoadRun, prompts: list[str], twin: InProcessTwin | None 
     return {**out, "twin": pairs} if pairs is not None else out
 
 
-async def served_c1(client, run: LoadRun, level: LoadRun, prompts: list[str]) -> dict:
-    """One served level at concurrency 1, with what it added to the server's clocks (`server`)."""
+async def served_level(client, run: LoadRun, level: LoadRun, prompts: list[str], concurrency: int = 1) -> dict:
+    """One served level, with what it added to the server's clocks (`server`)."""
     clocks, t0 = await server_timing(client, run), time.perf_counter()
-    results = await run_level(client, level, 1, prompts)
-    served = level_summary(1, results, time.perf_counter() - t0)
+    results = await run_level(client, level, concurrency, prompts)
+    served = level_summary(concurrency, results, time.perf_counter() - t0)
     server = timing_delta(clocks, await server_timing(client, run))
     return {**served, **({"server": server} if server else {})}
 
 
 async def twin_pairs(client, run: LoadRun, prompts: list[str], twin: InProcessTwin, variants) -> dict:
-    """Concurrency 1, `run.twin_pairs` times per variant: the served level, then the twin on the requests it sent
-    (the order swapped every other pair, so a drift in the host's speed does not favour either side). The twin
-    first decodes the requests once per variant, not counted, as the served app did in the levels: a first pass
-    over new prompt lengths runs slower than the later ones."""
+    """At each of `run.twin_concurrency`, `run.twin_pairs` times per variant: the served level, then the twin on the
+    requests it sent (the order swapped every other pair, so a drift in the host's speed does not favour either
+    side). The twin first decodes the requests once per variant, not counted, as the served app did in the levels: a
+    first pass over new prompt lengths runs slower than the later ones. Medians are by variant, and by variant and
+    concurrency (`"speculative@4"`) when there are several."""
     for label, speculate in variants:
         twin.run(1, max(run.requests, 1), run.max_tokens, run.temperature, speculate is not False)
     pairs = []
-    for p in range(run.twin_pairs):
-        for label, speculate in variants:
-            level = replace(run, speculate=speculate)
-            served = twin_run = None
-            for side in (("served", "twin") if p % 2 == 0 else ("twin", "served")):
-                if side == "served":
-                    if twin_run is not None:  # the twin's requests, however long they take
-                        level = replace(level, requests=twin_run["requests"], max_seconds=PAIRED_MAX_SECONDS)
-                    served = await served_c1(client, run, level, prompts)
-                else:
-                    n = served["sent"] if served is not None else run.requests
-                    twin_run = twin.run(1, n, run.max_tokens, run.temperature, speculate is not False)
-            ratio = (served["throughput_tokens_per_s"] / twin_run["throughput_tokens_per_s"]
-                     if twin_run["throughput_tokens_per_s"] else None)
-            pairs.append({"pair": p, "variant": label or "default", "first": "served" if p % 2 == 0 else "twin",
-                          "served": served, "twin": {k: v for k, v in twin_run.items() if k != "token_ids"},
-                          "ratio": ratio, "equal_tokens": served["output_tokens"] == twin_run["output_tokens"]})
-            logger.info("twin pair %d %s: served %.2f tok/s, twin %.2f, ratio %s", p, label or "",
-                        served["throughput_tokens_per_s"], twin_run["throughput_tokens_per_s"], ratio)
+    for c in run.twin_concurrency:
+        for p in range(run.twin_pairs):
+            for label, speculate in variants:
+                level = replace(run, speculate=speculate)
+                served = twin_run = None
+                for side in (("served", "twin") if p % 2 == 0 else ("twin", "served")):
+                    if side == "served":
+                        if twin_run is not None:  # the twin's requests, however long they take
+                            level = replace(level, requests=twin_run["requests"], max_seconds=PAIRED_MAX_SECONDS)
+                        served = await served_level(client, run, level, prompts, c)
+                    else:
+                        n = served["sent"] if served is not None else max(run.requests, c)
+                        twin_run = twin.run(c, n, run.max_tokens, run.temperature, speculate is not False)
+                ratio = (served["throughput_tokens_per_s"] / twin_run["throughput_tokens_per_s"]
+                         if twin_run["throughput_tokens_per_s"] else None)
+                pairs.append({"concurrency": c, "pair": p, "variant": label or "default",
+                              "first": "served" if p % 2 == 0 else "twin", "served": served,
+                              "twin": {k: v for k, v in twin_run.items() if k != "token_ids"}, "ratio": ratio,
+                              "equal_tokens": served["output_tokens"] == twin_run["output_tokens"]})
+                logger.info("twin pair %d %s at %d: served %.2f tok/s, twin %.2f, ratio %s", p, label or "", c,
+                            served["throughput_tokens_per_s"], twin_run["throughput_tokens_per_s"], ratio)
+    several = len(run.twin_concurrency) > 1
     medians = {}
-    for v in sorted({x["variant"] for x in pairs}):
-        ratios = [x["ratio"] for x in pairs if x["variant"] == v and x["ratio"] is not None]
-        medians[v] = percentile(ratios, 50)
+    for key in sorted({(x["variant"], x["concurrency"]) for x in pairs}, key=lambda k: (k[1], k[0])):
+        ratios = [x["ratio"] for x in pairs if (x["variant"], x["concurrency"]) == key and x["ratio"] is not None]
+        medians[f"{key[0]}@{key[1]}" if several else key[0]] = percentile(ratios, 50)
     return {"pairs": pairs, "median_ratio": medians}
 
 
@@ -421,14 +426,15 @@ def serve_markdown(result: dict) -> str:
 
 
 def twin_markdown(twin: dict) -> str:
-    lines = ["Served against the in-process twin at concurrency 1 (bench/twin.py: the router's engine for this target "
-             "built from the app's config, the same requests; each pair's order alternates):", "",
-             "| pair | variant | first | served tok/s | twin tok/s | served / twin | twin prompt rounds ms | "
-             "twin other rounds ms | tokens equal |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["Served against the in-process twin (bench/twin.py: the router's engine for this target built from the "
+             "app's config, the same requests, the same closed-loop clients; each pair's order alternates):", "",
+             "| concurrency | pair | variant | first | served tok/s | twin tok/s | served / twin | "
+             "twin prompt rounds ms | twin other rounds ms | tokens equal |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in twin["pairs"]:
         t = x["twin"]
         other = t["rounds"] - t["prompt_rounds"]
-        lines.append(f"| {x['pair']} | {x['variant']} | {x['first']} | {x['served']['throughput_tokens_per_s']:.2f} | "
+        lines.append(f"| {x.get('concurrency', 1)} | {x['pair']} | {x['variant']} | {x['first']} | "
+                     f"{x['served']['throughput_tokens_per_s']:.2f} | "
                      f"{t['throughput_tokens_per_s']:.2f} | {_f(x['ratio'], '{:.3f}')} | "
                      f"{_f(1e3 * t['prompt_round_s'] / t['prompt_rounds'] if t['prompt_rounds'] else None)} | "
                      f"{_f(1e3 * t['decode_round_s'] / other if other else None)} | "

@@ -393,6 +393,26 @@ def test_twin_pairs_alternate_served_and_in_process_runs_of_the_same_requests(ss
     assert "Median served / twin" in serve_markdown(result)
 
 
+def test_twin_pairs_run_at_each_twin_concurrency_with_as_many_in_process_clients(sse_server):
+    """`--twin-concurrency 1,3`: the pairs repeat per level, the twin decodes with that many clients (a negative
+    control: a twin run at concurrency 1 for the level 3 pairs would show in its calls), medians per variant and level."""
+    import asyncio
+
+    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+
+    twin = CountingTwin()
+    run = LoadRun(sse_server, "m", [1], requests=3, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True,
+                  twin_pairs=1, twin_concurrency=(1, 3))
+    result = asyncio.run(run_load(run, ["a", "b"], twin))
+    pairs = result["twin"]["pairs"]
+    assert [(x["concurrency"], x["variant"]) for x in pairs] == [
+        (1, "speculative"), (1, "plain"), (3, "speculative"), (3, "plain")]
+    assert twin.calls[2:] == [(1, 3, True), (1, 3, False), (3, 3, True), (3, 3, False)]
+    assert [x["served"]["concurrency"] for x in pairs] == [1, 1, 3, 3]
+    assert list(result["twin"]["median_ratio"]) == ["plain@1", "speculative@1", "plain@3", "speculative@3"]
+    assert "| 3 | 0 | speculative | served |" in serve_markdown(result)
+
+
 def test_compare_plain_sends_the_plain_run_the_same_requests_as_the_speculative_one(sse_server):
     """Where `max_seconds` ends a level, the faster speculative run covers more prompts than the plain run would in the
     same time (here about 4 requests of 50 ms against 2 of 100 ms in 0.18 s): the plain run sends exactly the same
