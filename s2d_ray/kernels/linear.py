@@ -191,12 +191,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        # The cheap test first: a bf16 decode step (one row, no one-row kernel) goes straight to F.linear, as
-        # transformers' own step does, without the device and autograd checks.
-        if not (self.one_row if rows == 1 else self.several and rows > 0):
-            return F.linear(x, self.weight, self.bias)
-        if (x.device.type != "cpu" or self.weight.device.type != "cpu"
-                or torch.is_grad_enabled() and self.weight.requires_grad):
+        stock = (rows == 0 or not (self.one_row if rows == 1 else self.several) or x.device.type != "cpu"
+                 or self.weight.device.type != "cpu" or torch.is_grad_enabled() and self.weight.requires_grad)
+        if stock:
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         if rows == 1:
