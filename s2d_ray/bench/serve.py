@@ -325,34 +325,37 @@ async def twin_pairs(client, run: LoadRun, prompts: list[str], twin: InProcessTw
     concurrency (`"speculative@4"`) when there are several."""
     for label, speculate in variants:
         twin.run(1, max(run.requests, 1), run.max_tokens, run.temperature, speculate is not False)
-    pairs = []
-    for c in run.twin_concurrency:
-        for p in range(run.twin_pairs):
-            for label, speculate in variants:
-                level = replace(run, speculate=speculate)
-                served = twin_run = None
-                for side in (("served", "twin") if p % 2 == 0 else ("twin", "served")):
-                    if side == "served":
-                        if twin_run is not None:  # the twin's requests, however long they take
-                            level = replace(level, requests=twin_run["requests"], max_seconds=PAIRED_MAX_SECONDS)
-                        served = await served_level(client, run, level, prompts, c)
-                    else:
-                        n = served["sent"] if served is not None else max(run.requests, c)
-                        twin_run = twin.run(c, n, run.max_tokens, run.temperature, speculate is not False)
-                ratio = (served["throughput_tokens_per_s"] / twin_run["throughput_tokens_per_s"]
-                         if twin_run["throughput_tokens_per_s"] else None)
-                pairs.append({"concurrency": c, "pair": p, "variant": label or "default",
-                              "first": "served" if p % 2 == 0 else "twin", "served": served,
-                              "twin": {k: v for k, v in twin_run.items() if k != "token_ids"}, "ratio": ratio,
-                              "equal_tokens": served["output_tokens"] == twin_run["output_tokens"]})
-                logger.info("twin pair %d %s at %d: served %.2f tok/s, twin %.2f, ratio %s", p, label or "", c,
-                            served["throughput_tokens_per_s"], twin_run["throughput_tokens_per_s"], ratio)
+    pairs = [await twin_pair(client, run, prompts, twin, c, p, label, speculate)
+             for c in run.twin_concurrency for p in range(run.twin_pairs) for label, speculate in variants]
     several = len(run.twin_concurrency) > 1
     medians = {}
     for key in sorted({(x["variant"], x["concurrency"]) for x in pairs}, key=lambda k: (k[1], k[0])):
         ratios = [x["ratio"] for x in pairs if (x["variant"], x["concurrency"]) == key and x["ratio"] is not None]
         medians[f"{key[0]}@{key[1]}" if several else key[0]] = percentile(ratios, 50)
     return {"pairs": pairs, "median_ratio": medians}
+
+
+async def twin_pair(client, run: LoadRun, prompts: list[str], twin: InProcessTwin, concurrency: int, p: int,
+                    label: str | None, speculate: bool | None) -> dict:
+    """Pair `p` of one variant at one concurrency: served then twin (twin first in odd pairs), on the same requests."""
+    level = replace(run, speculate=speculate)
+    served = twin_run = None
+    for side in (("served", "twin") if p % 2 == 0 else ("twin", "served")):
+        if side == "served":
+            if twin_run is not None:  # the twin's requests, however long they take
+                level = replace(level, requests=twin_run["requests"], max_seconds=PAIRED_MAX_SECONDS)
+            served = await served_level(client, run, level, prompts, concurrency)
+        else:
+            n = served["sent"] if served is not None else max(run.requests, concurrency)
+            twin_run = twin.run(concurrency, n, run.max_tokens, run.temperature, speculate is not False)
+    ratio = (served["throughput_tokens_per_s"] / twin_run["throughput_tokens_per_s"]
+             if twin_run["throughput_tokens_per_s"] else None)
+    logger.info("twin pair %d %s at %d: served %.2f tok/s, twin %.2f, ratio %s", p, label or "", concurrency,
+                served["throughput_tokens_per_s"], twin_run["throughput_tokens_per_s"], ratio)
+    return {"concurrency": concurrency, "pair": p, "variant": label or "default",
+            "first": "served" if p % 2 == 0 else "twin", "served": served,
+            "twin": {k: v for k, v in twin_run.items() if k != "token_ids"}, "ratio": ratio,
+            "equal_tokens": served["output_tokens"] == twin_run["output_tokens"]}
 
 
 SPENT_KINDS = ("prompt", "draft", "catch-up", "tree", "plain")
@@ -433,7 +436,7 @@ def twin_markdown(twin: dict) -> str:
     for x in twin["pairs"]:
         t = x["twin"]
         other = t["rounds"] - t["prompt_rounds"]
-        lines.append(f"| {x.get('concurrency', 1)} | {x['pair']} | {x['variant']} | {x['first']} | "
+        lines.append(f"| {x['concurrency']} | {x['pair']} | {x['variant']} | {x['first']} | "
                      f"{x['served']['throughput_tokens_per_s']:.2f} | "
                      f"{t['throughput_tokens_per_s']:.2f} | {_f(x['ratio'], '{:.3f}')} | "
                      f"{_f(1e3 * t['prompt_round_s'] / t['prompt_rounds'] if t['prompt_rounds'] else None)} | "

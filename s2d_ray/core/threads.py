@@ -104,8 +104,7 @@ class AdaptiveThreads:
         if jumped:
             self._every[key] = self.probe_every
         elif before is not None:  # a probe: back off while all threads stay fastest, else probe at the base rate
-            widest = max(by_count)
-            kept = self._fastest(by_count) == before == widest
+            kept = self._fastest(by_count) == before == max(by_count)  # still fastest, and it is all threads
             every = self._every.get(key, self.probe_every)
             self._every[key] = min(2 * every, self.max_probe_every) if kept else self.probe_every
 
@@ -127,7 +126,7 @@ class AdaptiveThreads:
         out: dict[str, int] = {}
         for times in self._times.values():
             if all(times.values()):
-                best = min(times, key=lambda n: statistics.median(times[n]))
+                best = self._fastest(times)
                 out[f"threads_{best}"] = out.get(f"threads_{best}", 0) + 1
         return out
 
