@@ -217,7 +217,12 @@ class LayerStack(nn.Module):
         lengths = (positions[:, -1] + 1).tolist()  # a row's grid ends at its last (or last dummy) slot
         kv_len = max(lengths)
         runs = cache.select(rows, positions, kv_len, runs_ok=self.grouped)
-        mask = slot_mask(positions, kv_len, x.dtype) if allowed is None else additive_mask(allowed, x.dtype)
+        if allowed is not None:
+            mask = additive_mask(allowed, x.dtype)
+        elif self.grouped and positions.shape == (1, 1):
+            mask = None  # one row's one query at its last slot sees every slot: nothing to mask
+        else:
+            mask = slot_mask(positions, kv_len, x.dtype)
         groups = None
         if self.grouped and (plan := plan_kv_groups(lengths)) is not None:
             groups = [(torch.tensor(g, device=x.device), max(lengths[i] for i in g)) for g in plan]
@@ -231,13 +236,14 @@ class LayerStack(nn.Module):
         for passes of kind `key`."""
         return intra_op_threads(most) if self.threads is None else self.threads.run(key, most)
 
-    def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor, rope: torch.Tensor,
+    def run_layers(self, seg: int, x: torch.Tensor, mask: torch.Tensor | None, rope: torch.Tensor,
                    cache: SlotKVCache, kv_groups: list[tuple[torch.Tensor, int]] | None = None,
                    kv_runs: list[tuple[int, int, int, int]] | None = None) -> torch.Tensor:
-        """One segment's layers over x with an additive mask [n, 1, s, kv_len] and RoPE positions, the cache already
-        pointed at its rows and slots (eager calls and the graphs a SegmentGraphs captures share this); kv_groups:
-        rows attending apart over their own slots (grouped attention only, `plan_kv_groups`); kv_runs: the cache
-        hands K/V over the rows' covering range, and these runs map query rows to its rows (`SlotKVCache.select`)."""
+        """One segment's layers over x with an additive mask [n, 1, s, kv_len] (None: causal) and RoPE positions,
+        the cache already pointed at its rows and slots (eager calls and the graphs a SegmentGraphs captures share
+        this); kv_groups: rows attending apart over their own slots (grouped attention only, `plan_kv_groups`);
+        kv_runs: the cache hands K/V over the rows' covering range, and these runs map query rows to its rows
+        (`SlotKVCache.select`)."""
         lo, hi = self.segments[seg]
         if not self.grouped:  # grouped attention broadcasts one mask over the heads
             mask = head_mask(mask, self.parts.num_heads)

@@ -89,3 +89,27 @@ def test_grouped_attention_over_runs_equals_attention_over_gathered_rows():
     got_g, _ = grouped_attention(None, q, k, v, mask, kv_groups=[(rows, 5), (torch.tensor([1]), 4)],
                                  kv_runs=[(0, 2, 0, 2), (2, 3, 3, 4)])
     torch.testing.assert_close(got_g, ref_g, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows, positions, one_run", [
+    ([2], [[5, 6, 7]], (2, 5, 8)),  # a chain or prompt: one slice
+    ([0], [[9]], (0, 9, 10)),  # a decode step
+    ([1], [[3, 5]], None),  # not consecutive: scattered
+    ([0, 1], [[4], [4]], None),  # two rows: scattered
+])
+def test_update_writes_exactly_the_selected_slots(rows, positions, one_run):
+    """One row's consecutive slots are copied as a slice, anything else scattered; both write the new K/V at exactly
+    the selected slots and leave every other slot as it was."""
+    cache = SlotKVCache(1, num_kv_heads=2, head_dim=3, dtype=torch.float64, rows=3, slots=16)
+    before = cache.keys[0].clone()
+    rows_t, pos_t = torch.tensor(rows), torch.tensor(positions)
+    cache.select(rows_t, pos_t, kv_len=int(pos_t.max()) + 1)
+    assert cache._slots == one_run
+    new = torch.randn(len(rows), 2, len(positions[0]), 3, dtype=torch.float64)  # [n, kv_heads, s, head_dim]
+    cache.update(new, -new, 0)
+    expected = before.clone()
+    for i, r in enumerate(rows):
+        for j, p in enumerate(positions[i]):
+            expected[r, p] = new[i, :, j]
+    torch.testing.assert_close(cache.keys[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(cache.values[0], -expected, rtol=0, atol=0)
