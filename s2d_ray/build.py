@@ -23,7 +23,7 @@ from .core.suffix import SuffixStore
 from .core.target import TargetVerifier, Verifier
 from .core.threads import AdaptiveThreads
 from .errors import ConfigError, ModelLoadError
-from .hardware import for_machine, machine_name, resolve_dtype
+from .hardware import IdleCores, for_machine, machine_name, resolve_dtype
 from .kernels import CpuKernels, DeterministicKernels
 from .models import DRAFT_CONFIG, LoadedModel, check_same_vocabulary, default_cache_dir, load_draft, load_model
 
@@ -42,8 +42,9 @@ def set_threads(num_threads: int | None) -> None:
 
 
 def thread_governor(enabled: bool, device: torch.device) -> AdaptiveThreads | None:
-    """A stack's thread-count chooser (core/threads.py), one per stack: only the CPU has threads to choose."""
-    return AdaptiveThreads() if enabled and device.type == "cpu" else None
+    """A stack's thread-count chooser (core/threads.py), one per stack, cued by the machine's idle cores: only the CPU
+    has threads to choose."""
+    return AdaptiveThreads(idle=IdleCores.here()) if enabled and device.type == "cpu" else None
 
 
 def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:

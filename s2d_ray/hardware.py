@@ -14,11 +14,14 @@ import logging
 import os
 import platform
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 CPUINFO = Path("/proc/cpuinfo")
+PROC_STAT = Path("/proc/stat")
 FAST_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names of native bf16 arithmetic
 # /proc/cpuinfo flag -> the instruction set named in a CPU's machine name, widest first
 CPU_ISAS = (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
@@ -149,6 +152,48 @@ def store_costs(profile: dict, costs_ms: dict, measured: dict) -> dict:
 
 
 # --- what a benchmark record says about the machine --------------------------------------------------------------
+
+
+class IdleCores:
+    """How many of the machine's cores sat idle, on average, since the previous look (Linux /proc/stat): a thread
+    governor's cue that a neighbour has left. Looks closer together than `min_interval` return the last value (the
+    counters tick every 10 ms per core)."""
+
+    def __init__(self, stat: Path = PROC_STAT, min_interval: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stat, self.min_interval, self.clock = stat, min_interval, clock
+        self.cores = os.cpu_count() or 1
+        self._last = self._read()
+        self._at = self.clock()
+        self._value = 0.0
+
+    @classmethod
+    def here(cls, stat: Path = PROC_STAT) -> IdleCores | None:
+        """A reader where /proc/stat can be read, else None."""
+        reader = cls(stat)
+        return reader if reader._last is not None else None
+
+    def _read(self) -> tuple[int, int] | None:
+        """(idle, total) jiffies over all cores: idle + iowait, and user .. steal."""
+        try:
+            with open(self.stat) as f:
+                fields = [int(v) for v in f.readline().split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        return (fields[3] + fields[4], sum(fields)) if len(fields) >= 5 else None
+
+    def __call__(self) -> float:
+        now = self.clock()
+        if now - self._at < self.min_interval:
+            return self._value
+        current = self._read()
+        if current is None or self._last is None:
+            return 0.0
+        idle, total = current[0] - self._last[0], current[1] - self._last[1]
+        if total > 0:
+            self._value = self.cores * idle / total
+        self._last, self._at = current, now
+        return self._value
 
 
 def load_average() -> list[float] | None:

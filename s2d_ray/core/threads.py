@@ -51,12 +51,24 @@ class AdaptiveThreads:
     time): the count follows what the process actually gets. A probe runs a pass on a slower count, so while all
     threads stay fastest the interval doubles with every probe that confirms it, up to `max_probe_every`: losing
     cores shows as a jump anyway, and only a return to all threads (a neighbour that left) needs the probes, which
-    keep `probe_every` while fewer threads are fastest. One instance per stack, used from one thread."""
+    keep `probe_every` while fewer threads are fastest.
+
+    A neighbour that leaves should be followed within a few passes, not an interval: `idle` (hardware.IdleCores: the
+    machine's idle cores since the last look) re-times a kind on fewer threads as soon as half the cores it leaves
+    unused sit idle, at most every `idle_every` of its passes (doubling while such re-times lose: where the idle count
+    misleads, as in a container, they fall back to the base rate). A re-time that beats the count in use is repeated
+    on the next pass before the choice changes (the window holds times from before the change, and one lucky pass
+    beside the neighbour should cost one pass, not a switch); once a kind finds all threads fastest again, every kind
+    still on fewer re-times on its next pass, since the neighbour left for all of them. One instance per stack, used
+    from one thread."""
 
     def __init__(self, probe_every: int = 32, window: int = 3, jump: float = 3.0, max_probe_every: int = 512,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, idle: Callable[[], float] | None = None,
+                 idle_every: int = 4) -> None:
         self.probe_every, self.window, self.jump, self.clock = probe_every, window, jump, clock
         self.max_probe_every = max(max_probe_every, probe_every)
+        self.idle, self.idle_every = idle, idle_every
+        self._idle_every: dict[Hashable, int] = {}  # the key's current spacing of idle-cued re-times
         self._times: dict[Hashable, dict[int, deque[float]]] = {}
         self._calls: dict[Hashable, int] = {}  # passes since the key's last probe
         self._every: dict[Hashable, int] = {}  # the key's current probe interval
@@ -79,13 +91,22 @@ class AdaptiveThreads:
                 return n
         best = self._fastest(times)
         calls = self._calls[key] = self._calls.get(key, 0) + 1
-        if key in self._probe or calls >= self._every.get(key, self.probe_every):
+        if key in self._probe or calls >= self._every.get(key, self.probe_every) or self._idle_cue(key, best, most):
             self._probe.discard(key)
             self._calls[key] = 0
             self._probing[key] = best
             others = [n for n in counts if n != best]
             return min(others, key=lambda n: self._timed_at.get((key, n), -1))
         return best
+
+    def _idle_cue(self, key: Hashable, best: int, most: int) -> bool:
+        """Whether idle cores say a kind on fewer threads should re-time now (the caller resets its pass count)."""
+        if self.idle is None or best >= most or self._calls[key] < self._idle_every.get(key, self.idle_every):
+            return False
+        if self.idle() < (most - best) / 2:
+            return False
+        self._idle_every[key] = min(2 * self._idle_every.get(key, self.idle_every), self.probe_every)
+        return True
 
     @staticmethod
     def _fastest(times: dict[int, deque[float]]) -> int:
@@ -104,9 +125,16 @@ class AdaptiveThreads:
         if jumped:
             self._every[key] = self.probe_every
         elif before is not None:  # a probe: back off while all threads stay fastest, else probe at the base rate
-            kept = self._fastest(by_count) == before == max(by_count)  # still fastest, and it is all threads
+            fastest = self._fastest(by_count)
+            kept = fastest == before == max(by_count)  # still fastest, and it is all threads
             every = self._every.get(key, self.probe_every)
             self._every[key] = min(2 * every, self.max_probe_every) if kept else self.probe_every
+            if fastest == before != threads and seconds < statistics.median(by_count[before]):
+                self._probe.add(key)  # beat the count in use against older times: re-time it once more, next pass
+            if fastest == max(by_count) != before:  # cores came back: every kind on fewer threads re-times now
+                self._idle_every.pop(key, None)
+                self._probe.update(k for k, t in self._times.items()
+                                   if k != key and all(t.values()) and self._fastest(t) < max(t))
 
     @contextlib.contextmanager
     def run(self, key: Hashable, most: int | None = None) -> Iterator[None]:

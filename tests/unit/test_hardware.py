@@ -17,7 +17,9 @@ import s2d_ray.hardware as hardware
 from s2d_ray.config import TargetConfig
 from s2d_ray.core.costs import CostModel
 from s2d_ray.core.policy import FixedK
-from s2d_ray.hardware import costs_machine, cpu_flags, cpu_model, for_machine, machine_name, resolve_dtype, store_costs
+from s2d_ray.hardware import (
+    IdleCores, costs_machine, cpu_flags, cpu_model, for_machine, machine_name, resolve_dtype, store_costs,
+)
 from s2d_ray.serve.app_config import AppConfig, DraftDeploymentConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,3 +231,22 @@ def test_a_served_spec_field_overrides_the_profile(flags):
     spec = effective_spec(ecfg, load_profile(ecfg))
     # k and width from the YAML; the policy and lookup still from the bf16 profile
     assert (spec.policy, spec.k, spec.width, spec.lookup) == ("auto", 4, 2, True)
+
+
+def test_idle_cores_from_proc_stat_counters(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3 4\n")
+    now = [0.0]
+    reader = IdleCores(stat, min_interval=0.05, clock=lambda: now[0])
+    reader.cores = 4
+    # 100 more jiffies: 20 user, 5 system, 70 idle, 5 iowait -> 75% idle = 3 of 4 cores
+    stat.write_text("cpu  120 0 55 870 55 0 0 0 0 0\n")
+    assert reader() == 0.0  # too soon after the first look: the last value
+    now[0] = 0.1
+    assert reader() == 3.0
+    stat.write_text("cpu  220 0 55 870 55 0 0 0 0 0\n")  # 100 jiffies all busy
+    now[0] = 0.2
+    assert reader() == 0.0
+    assert IdleCores.here(stat) is not None
+    stat.write_text("garbage\n")  # not Linux's format: no reader, so no idle cue
+    assert IdleCores.here(stat) is None and IdleCores.here(tmp_path / "missing") is None

@@ -91,3 +91,94 @@ def test_candidates_and_buckets():
     assert AdaptiveThreads.candidates(16) == [16, 8, 1]
     assert AdaptiveThreads.candidates(2) == [2, 1]
     assert [size_bucket(n) for n in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
+
+
+def test_one_probe_brings_all_threads_back_after_a_long_busy_spell():
+    """The slow times two threads took beside the neighbour fill their window; a probe that beats one thread is
+    repeated on the next pass, and the two fast times switch back at once (one fast time against two stale slow ones
+    would leave the pass on one thread for another whole interval)."""
+    gov = AdaptiveThreads(probe_every=16)
+    idle, busy = {2: 1.0, 1: 1.6}, {2: 8.0, 1: 1.7}
+    chosen = drive(gov, [idle] * 40 + [busy] * 400 + [idle] * 60)
+    assert chosen[420:440].count(1) >= 18
+    first = next(i for i in range(440, 480) if chosen[i] == 2)  # the first probe after the neighbour left
+    assert first - 440 <= 16
+    assert chosen[first:first + 16] == [2] * 16  # then only the re-times of one thread, every interval
+
+
+def test_a_fast_probe_beside_the_neighbour_costs_one_pass():
+    """A probe that happens to run fast while the neighbour is still there (it slept through it) costs one more
+    re-time, which runs slow, and the pass stays on one thread."""
+    gov = AdaptiveThreads(probe_every=16)
+    busy = {2: 8.0, 1: 1.7}
+    chosen, lucky = [], None
+    for i in range(140):
+        n = gov.choose("k", 2)
+        fast = lucky is None and i >= 60 and n == 2
+        lucky = i if fast else lucky
+        gov.record("k", n, 0.9 if fast else busy[n])
+        chosen.append(n)
+    assert chosen[lucky + 1] == 2  # the lucky probe is repeated
+    assert chosen[lucky + 2:lucky + 16] == [1] * 14  # which ran slow: one thread stays
+
+
+def test_cores_coming_back_for_one_kind_re_time_every_kind_on_fewer_threads():
+    """A rarely run kind (a big batch, a long tree) re-times on its next pass once a frequent kind finds all threads
+    fastest again, not after an interval of its own passes."""
+    gov = AdaptiveThreads(probe_every=16)
+    idle, busy = {2: 1.0, 1: 1.6}, {2: 8.0, 1: 1.7}
+
+    def step(i: int, cost: dict[int, float]) -> tuple[int, int | None]:
+        a = gov.choose("a", 2)
+        gov.record("a", a, cost[a])
+        if i % 7:
+            return a, None
+        b = gov.choose("b", 2)
+        gov.record("b", b, cost[b])
+        return a, b
+
+    for i in range(300):
+        step(i, busy)
+    assert gov.choose("b", 2) == 1 and gov.choose("a", 2) == 1
+    gov._calls.clear()  # those two looks were not passes
+    rows = [step(i, idle) for i in range(300, 360)]
+    back = next(i for i, (a, _) in enumerate(rows) if a == 2)
+    b_after = [b for _, b in rows[back + 1:] if b is not None]
+    assert b_after[:3] == [2, 2, 2]  # b's first pass after a came back probes two threads, and keeps them
+
+
+class Idle:
+    """A settable idle-core count, as hardware.IdleCores reports it."""
+
+    def __init__(self) -> None:
+        self.cores = 0.0
+
+    def __call__(self) -> float:
+        return self.cores
+
+
+def test_idle_cores_bring_all_threads_back_within_a_few_passes():
+    idle_source = Idle()
+    gov = AdaptiveThreads(probe_every=32, idle=idle_source)
+    plain = AdaptiveThreads(probe_every=32)  # negative control: no idle cue
+    idle, busy = {2: 1.0, 1: 1.6}, {2: 8.0, 1: 1.7}
+    for g in (gov, plain):
+        drive(g, [idle] * 40 + [busy] * 200)
+    assert gov.choose("k", 2) == plain.choose("k", 2) == 1
+    idle_source.cores = 1.0  # the neighbour left: one core idle while the pass runs on the other
+    cued, uncued = drive(gov, [idle] * 40), drive(plain, [idle] * 40)
+    assert cued[6:].count(1) <= 1  # re-timed within idle_every passes, repeated once, then kept (bar one re-time)
+    assert uncued[:8] == [1] * 8
+
+
+def test_idle_cores_that_mislead_fall_back_to_the_base_rate():
+    """Idle cores reported while the neighbour is still there (a container's view of the host): each cued re-time
+    loses, the cue's spacing doubles up to the base interval, so it costs a few slow passes, not one in four."""
+    idle_source = Idle()
+    idle_source.cores = 2.0
+    gov = AdaptiveThreads(probe_every=32, idle=idle_source)
+    plain = AdaptiveThreads(probe_every=32)
+    busy = {2: 8.0, 1: 1.7}
+    cued, uncued = drive(gov, [busy] * 600), drive(plain, [busy] * 600)
+    assert cued[-20:].count(1) >= 19
+    assert cued.count(2) <= uncued.count(2) + 6
