@@ -1,5 +1,6 @@
 """The machine this process runs on: its name, its CPU's model and widest matmul instruction set, the dtype
-`dtype: auto` resolves to here, the calibration costs measured on it, and what a benchmark records about it.
+`dtype: auto` resolves to here, the calibration costs measured on it, how many of its cores sit idle (the thread
+governor's cue), and what a benchmark records about it.
 
 A CPU is named by its model AND its widest matmul instruction set: cloud CPUs report one model name ("AMD EPYC") for
 hosts with and without AVX512-BF16, where bf16 runs natively on one and emulated, far slower, on the other.
@@ -151,7 +152,7 @@ def store_costs(profile: dict, costs_ms: dict, measured: dict) -> dict:
     return profile
 
 
-# --- what a benchmark record says about the machine --------------------------------------------------------------
+# --- idle cores ---------------------------------------------------------------------------------------------------
 
 
 class IdleCores:
@@ -194,6 +195,9 @@ class IdleCores:
             self._value = self.cores * idle / total
         self._last, self._at = current, now
         return self._value
+
+
+# --- what a benchmark record says about the machine --------------------------------------------------------------
 
 
 def load_average() -> list[float] | None:
