@@ -59,8 +59,8 @@ class AdaptiveThreads:
     misleads, as in a container, they fall back to the base rate). A re-time that beats the count in use is repeated
     on the next pass before the choice changes (the window holds times from before the change, and one lucky pass
     beside the neighbour should cost one pass, not a switch); once a kind finds all threads fastest again, every kind
-    still on fewer re-times on its next pass, since the neighbour left for all of them. One instance per stack, used
-    from one thread."""
+    still on fewer re-times on its next pass, since the neighbour left for all of them (unless `idle` says the cores
+    are still taken). One instance per stack, used from one thread."""
 
     def __init__(self, probe_every: int = 32, window: int = 3, jump: float = 3.0, max_probe_every: int = 512,
                  clock: Callable[[], float] = time.perf_counter, idle: Callable[[], float] | None = None,
@@ -133,6 +133,8 @@ class AdaptiveThreads:
                 self._probe.add(key)  # beat the count in use against older times: re-time it once more, next pass
             if fastest == max(by_count) != before:  # cores came back: every kind on fewer threads re-times now
                 self._idle_every.pop(key, None)
+                if self.idle is not None and self.idle() < (max(by_count) - before) / 2:
+                    return  # lucky passes beside a neighbour the idle cores say is still there: this kind alone
                 self._probe.update(k for k, t in self._times.items()
                                    if k != key and all(t.values()) and self._fastest(t) < max(t))
 

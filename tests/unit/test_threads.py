@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from s2d_ray.core.threads import AdaptiveThreads, size_bucket
@@ -122,10 +123,13 @@ def test_a_fast_probe_beside_the_neighbour_costs_one_pass():
     assert chosen[lucky + 2:lucky + 16] == [1] * 14  # which ran slow: one thread stays
 
 
-def test_cores_coming_back_for_one_kind_re_time_every_kind_on_fewer_threads():
+@pytest.mark.parametrize("idle_cores", [None, 1.0, 0.0])
+def test_cores_coming_back_for_one_kind_re_time_every_kind_on_fewer_threads(idle_cores):
     """A rarely run kind (a big batch, a long tree) re-times on its next pass once a frequent kind finds all threads
-    fastest again, not after an interval of its own passes."""
-    gov = AdaptiveThreads(probe_every=16)
+    fastest again, not after an interval of its own passes; unless the idle cores say the neighbour is still there
+    (the frequent kind's passes were lucky), when the rare kind keeps its own rate."""
+    source = None if idle_cores is None else Idle()
+    gov = AdaptiveThreads(probe_every=16, idle=source)
     idle, busy = {2: 1.0, 1: 1.6}, {2: 8.0, 1: 1.7}
 
     def step(i: int, cost: dict[int, float]) -> tuple[int, int | None]:
@@ -141,10 +145,15 @@ def test_cores_coming_back_for_one_kind_re_time_every_kind_on_fewer_threads():
         step(i, busy)
     assert gov.choose("b", 2) == 1 and gov.choose("a", 2) == 1
     gov._calls.clear()  # those two looks were not passes
+    if source is not None:
+        source.cores = idle_cores
     rows = [step(i, idle) for i in range(300, 360)]
     back = next(i for i, (a, _) in enumerate(rows) if a == 2)
     b_after = [b for _, b in rows[back + 1:] if b is not None]
-    assert b_after[:3] == [2, 2, 2]  # b's first pass after a came back probes two threads, and keeps them
+    if idle_cores == 0.0:
+        assert b_after[0] == 1  # not sent to re-time
+    else:
+        assert b_after[:3] == [2, 2, 2]  # b's first pass after a came back probes two threads, and keeps them
 
 
 class Idle:
