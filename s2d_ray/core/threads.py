@@ -103,10 +103,14 @@ class AdaptiveThreads:
         """Whether idle cores say a kind on fewer threads should re-time now (the caller resets its pass count)."""
         if self.idle is None or best >= most or self._calls[key] < self._idle_every.get(key, self.idle_every):
             return False
-        if self.idle() < (most - best) / 2:
+        if not self._cores_idle(most, best):
             return False
         self._idle_every[key] = min(2 * self._idle_every.get(key, self.idle_every), self.probe_every)
         return True
+
+    def _cores_idle(self, most: int, used: int) -> bool:
+        """Whether half the cores a kind on `used` of `most` threads leaves unused sit idle (needs `idle`)."""
+        return self.idle() >= (most - used) / 2
 
     @staticmethod
     def _fastest(times: dict[int, deque[float]]) -> int:
@@ -125,18 +129,18 @@ class AdaptiveThreads:
         if jumped:
             self._every[key] = self.probe_every
         elif before is not None:  # a probe: back off while all threads stay fastest, else probe at the base rate
-            fastest = self._fastest(by_count)
-            kept = fastest == before == max(by_count)  # still fastest, and it is all threads
+            fastest, widest = self._fastest(by_count), max(by_count)
+            kept = fastest == before == widest  # still fastest, and it is all threads
             every = self._every.get(key, self.probe_every)
             self._every[key] = min(2 * every, self.max_probe_every) if kept else self.probe_every
             if fastest == before != threads and seconds < statistics.median(by_count[before]):
                 self._probe.add(key)  # beat the count in use against older times: re-time it once more, next pass
-            if fastest == max(by_count) != before:  # cores came back: every kind on fewer threads re-times now
+            if fastest == widest != before:  # cores came back: every kind on fewer threads re-times now
                 self._idle_every.pop(key, None)
-                if self.idle is not None and self.idle() < (max(by_count) - before) / 2:
-                    return  # lucky passes beside a neighbour the idle cores say is still there: this kind alone
-                self._probe.update(k for k, t in self._times.items()
-                                   if k != key and all(t.values()) and self._fastest(t) < max(t))
+                # unless the idle cores say the neighbour is still there (lucky passes): then this kind alone
+                if self.idle is None or self._cores_idle(widest, before):
+                    self._probe.update(k for k, t in self._times.items()
+                                       if k != key and all(t.values()) and self._fastest(t) < max(t))
 
     @contextlib.contextmanager
     def run(self, key: Hashable, most: int | None = None) -> Iterator[None]:
