@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import EngineConfig, SpecConfig
+from .config import EngineConfig, SpecConfig, context_window
 from .core.budget import SpeculationBudget, TreeShape
 from .core.costs import CostModel
 from .core.draft import Drafter, SortedDraft, SortedDrafter, default_exits
@@ -19,9 +19,9 @@ from .core.engine import SpecEngine
 from .core.kernels import Kernels
 from .core.lookup import PromptLookup, TreeDrafter
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
+from .core.prefix_cache import PrefixCacheSpec
 from .core.suffix import SuffixStore
 from .core.target import TargetVerifier, Verifier
-from .core.threads import AdaptiveThreads
 from .errors import ConfigError, ModelLoadError
 from .hardware import IdleCores, for_machine, machine_name, resolve_dtype
 from .kernels import CpuKernels, DeterministicKernels
@@ -41,12 +41,6 @@ def set_threads(num_threads: int | None) -> None:
     torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
-def thread_governor(enabled: bool, device: torch.device) -> AdaptiveThreads | None:
-    """A stack's thread-count chooser (core/threads.py), one per stack, cued by the machine's idle cores: only the CPU
-    has threads to choose."""
-    return AdaptiveThreads(idle=IdleCores.here()) if enabled and device.type == "cpu" else None
-
-
 def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:
     """cfg with `dtype: auto` replaced by what it means on `device` (so logs, profiles and Built.cfg name it)."""
     dtype = resolve_dtype(cfg.target.dtype, device)
@@ -57,13 +51,23 @@ def with_resolved_dtype(cfg: EngineConfig, device: str = "cpu") -> EngineConfig:
 
 def make_kernels(cfg: EngineConfig | None = None) -> Kernels:
     """The kernel backend the config (default: the defaults) asks for (core/kernels.py), injected into the verifier
-    and the draft: on the CPU, grouped attention and packed projections where they measured faster here; elsewhere
-    torch's own kernels. S2D_LINEAR_KERNEL and S2D_KERNEL_TIMES override the config's `linear_kernel` and
-    `kernel_times`. `deterministic`: batch-invariant kernels instead (kernels/deterministic.py), on any device."""
+    and the draft: on the CPU, grouped attention and packed projections where they measured faster here, and each
+    pass's thread count (`wide_threads`, `adaptive_threads`); elsewhere torch's own kernels. S2D_LINEAR_KERNEL and
+    S2D_KERNEL_TIMES override the config's `linear_kernel` and `kernel_times`. `deterministic`: batch-invariant
+    kernels on one fixed thread count instead (kernels/deterministic.py)."""
     cfg = cfg if cfg is not None else EngineConfig()
     if cfg.deterministic:
         return DeterministicKernels()
-    return CpuKernels.from_settings(cfg.linear_kernel, cfg.kernel_times, default_cache_dir() / "kernel_times.json")
+    return CpuKernels.from_settings(cfg.linear_kernel, cfg.kernel_times, default_cache_dir() / "kernel_times.json",
+                                    wide_threads=cfg.wide_threads, adaptive_threads=cfg.adaptive_threads,
+                                    idle_cores=IdleCores.here)
+
+
+def make_draft_kernels(cfg: EngineConfig | None = None) -> Kernels:
+    """The draft's backend: the config's, but never the deterministic one (the target decides every token, so the
+    draft needs no determinism and keeps the fast kernels)."""
+    cfg = cfg if cfg is not None else EngineConfig()
+    return make_kernels(cfg.model_copy(update={"deterministic": False}) if cfg.deterministic else cfg)
 
 
 def default_device() -> torch.device:
@@ -124,12 +128,12 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, profile: dict | None,
                 base: LoadedModel | None = None, kernels: Kernels | None = None,
                 base_model: str | None = None) -> SortedDraft:
     """The sorted draft named by cfg.draft (exits from `profile`, see apply_exits), sharing the target's
-    embedding/head when its base is the target; its kernels `kernels` (default: make_kernels(cfg)); `base_model`
-    overrides the base its config records."""
+    embedding/head when its base is the target; its kernels `kernels` (default: make_draft_kernels(cfg));
+    `base_model` overrides the base its config records."""
     src = cfg.draft.source
     base_source = draft_base_source(src, base_model)
     base = base or _base_for(base_source, cfg, target)
-    kernels = kernels if kernels is not None else make_kernels(cfg)
+    kernels = kernels if kernels is not None else make_draft_kernels(cfg)
     directory = draft_dir(src)
     if directory is None:
         _, layers, exits = parse_cut(src)
@@ -244,6 +248,37 @@ def warn_if_modelled_slower(cfg: EngineConfig, profile: dict | None) -> None:
                        profile.get("measured_with", "fp32, 1 thread"))
 
 
+def build_verifier(model: torch.nn.Module, cfg: EngineConfig | None = None, kernels: Kernels | None = None,
+                   cuda_graphs: bool | None = None, prefix_cache: PrefixCacheSpec | None = None) -> TargetVerifier:
+    """The target's verifier, the one way it is made: `cfg`'s kernels (threads included), CUDA graphs and prefix
+    cache; without a config (a measurement of one mechanism), the default kernels and no prefix cache. `kernels`,
+    `cuda_graphs` and `prefix_cache` override them for callers that measure one backend or cannot capture graphs (a
+    TP rank's all-reduces)."""
+    kept = cfg.prefix_cache.spec() if cfg is not None else None
+    cfg = cfg if cfg is not None else EngineConfig()
+    return TargetVerifier(model, cuda_graphs=cfg.cuda_graphs if cuda_graphs is None else cuda_graphs,
+                          kernels=kernels if kernels is not None else make_kernels(cfg),
+                          prefix_cache=prefix_cache if prefix_cache is not None else kept)
+
+
+def build_drafter(draft: SortedDraft, cfg: EngineConfig | None = None, cuda_graphs: bool | None = None,
+                  prefix_cache: PrefixCacheSpec | None = None) -> SortedDrafter:
+    """The sorted draft's drafter, the one way it is made: `cfg`'s stop confidence, CUDA graphs and prefix cache
+    (its kernels, threads included, are the draft's own: build_draft); without a config, the defaults and no prefix
+    cache. Overrides as in build_verifier."""
+    kept = cfg.prefix_cache.spec() if cfg is not None else None
+    cfg = cfg if cfg is not None else EngineConfig()
+    return SortedDrafter(draft, cfg.draft.stop_confidence,
+                         cuda_graphs=cfg.cuda_graphs if cuda_graphs is None else cuda_graphs,
+                         prefix_cache=prefix_cache if prefix_cache is not None else kept)
+
+
+def make_engine(verifier: Verifier, drafter: Any | None = None, **options: Any) -> SpecEngine:
+    """An engine over given collaborators with explicit options (SpecEngine's: policy, budget, max_context, ...):
+    what benchmarks of one mechanism use; entry points use assemble_engine / build_engine."""
+    return SpecEngine(verifier, drafter, **options)
+
+
 @dataclass
 class Built:
     """Everything an entry point needs: the engine plus the pieces it was made of."""
@@ -269,8 +304,8 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
     drafter, budget = make_speculation(spec, drafter, profile, suffix)
     logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s suffix=%s", cfg.target.name,
                 cfg.spec.mode, spec.policy, spec.k, spec.width, spec.lookup, store_spec)
-    return SpecEngine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
-                      budget=budget, plain_steps=plain_steps, suffix=suffix)
+    return make_engine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
+                       budget=budget, plain_steps=plain_steps, suffix=suffix)
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_steps: int = 1) -> Built:
@@ -278,26 +313,14 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_ste
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     profile = load_profile(cfg)
-    kernels = make_kernels(cfg)
-    # The draft needs no determinism (the target decides every token): the fast kernels even in the mode.
-    draft_kernels = make_kernels(cfg.model_copy(update={"deterministic": False})) if cfg.deterministic else kernels
-    draft = build_draft(cfg, target, profile, kernels=draft_kernels) if cfg.spec.uses_draft_model else None
+    draft = build_draft(cfg, target, profile) if cfg.spec.uses_draft_model else None
     if draft is not None:
         logger.info("draft %s: exits=%s thresholds=%s", cfg.draft.source, draft.spec.exit_layers,
                     draft.spec.thresholds)
     tok = target.tokenizer
     engine = assemble_engine(
-        cfg, TargetVerifier(target.model, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
-                            kernels=kernels, prefix_cache=cfg.prefix_cache.spec(),
-                            # deterministic: the target's thread count stays as configured, whatever it measures
-                            threads=thread_governor(cfg.adaptive_threads and not cfg.deterministic,
-                                                    target.model.device)),
-        SortedDrafter(draft, cfg.draft.stop_confidence, cuda_graphs=cfg.cuda_graphs, wide_threads=cfg.wide_threads,
-                      prefix_cache=cfg.prefix_cache.spec(),
-                      threads=thread_governor(cfg.adaptive_threads, target.model.device))
-        if draft is not None else None,
-        profile,
-        max_context=cfg.target.max_context or getattr(target.model.config, "max_position_embeddings", None),
+        cfg, build_verifier(target.model, cfg), build_drafter(draft, cfg) if draft is not None else None, profile,
+        max_context=context_window(cfg.target.max_context, target.model.config.to_dict()),
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
         plain_steps=plain_steps,
     )

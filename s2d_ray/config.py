@@ -24,6 +24,18 @@ DATA_DIR: Path | None = Path(os.environ[DATA_ENV]) if os.environ.get(DATA_ENV) e
 TRAIN_DATA = "train/instructions.jsonl"  # instruction rows: training, self-distillation, calibration (held-out split)
 GSM8K_TEST = "gsm8k_test_dev/test_dev.jsonl"  # held-out GSM8K problems
 SPEC_BENCH_QUESTIONS = "spec_bench/question.jsonl"  # Spec-Bench's question file
+
+
+def context_window(max_context: int | None, model_config: dict, cap: int | None = None) -> int | None:
+    """A target's context window, the one rule everything sizes by: the configured `max_context`, else the model's
+    `max_position_embeddings` (a multimodal config's text part too), capped by `cap` (the served limit); None when
+    neither is known and nothing caps it."""
+    own = model_config.get("max_position_embeddings") or model_config.get("text_config", {}).get(
+        "max_position_embeddings")
+    window = max_context or (int(own) if own else None) or cap
+    return min(window, cap) if window is not None and cap is not None else window
+
+
 DType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 LinearKernel = Literal["auto", "several", "stock", "packed"]
 LINEAR_KERNEL_HELP = (

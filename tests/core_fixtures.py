@@ -9,7 +9,8 @@ from torch import nn
 
 from helpers import make_tiny_llama
 from s2d_ray.core.draft import DraftSpec, SortedDraft
-from s2d_ray.core.stack import decoder_parts
+from s2d_ray.core.decoder import decoder_parts
+from s2d_ray.core.kernels import Kernels
 from s2d_ray.kernels import CpuKernels
 
 # The CPU backend the shipped entry points inject (grouped attention, projections chosen by measurement): the
@@ -26,7 +27,8 @@ def tiny_target(seed: int = 0, num_layers: int = 4, vocab_size: int = 96, scale:
 
 
 def noisy_draft(target: nn.Module, num_layers: int = 3, exits: list[int] | None = None,
-                thresholds: list[float] | None = None, noise: float = 0.08, seed: int = 1) -> SortedDraft:
+                thresholds: list[float] | None = None, noise: float = 0.08, seed: int = 1,
+                kernels: Kernels = KERNELS) -> SortedDraft:
     """The target's first layers plus noise: a draft that agrees often, not always (like a trained one)."""
     layers = nn.ModuleList(copy.deepcopy(list(target.model.layers)[:num_layers]))
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +38,7 @@ def noisy_draft(target: nn.Module, num_layers: int = 3, exits: list[int] | None 
     exits = exits or list(range(1, num_layers + 1))
     thresholds = thresholds if thresholds is not None else [0.05] * (len(exits) - 1) + [0.0]
     return SortedDraft(decoder_parts(target), DraftSpec("tiny", num_layers, exits, thresholds), layers,
-                       kernels=KERNELS)
+                       kernels=kernels)
 
 
 def random_prompts(n: int, vocab_size: int = 96, seed: int = 0, lo: int = 3, hi: int = 17) -> list[list[int]]:

@@ -290,7 +290,8 @@ def _load_run(args: argparse.Namespace, model: str):
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .serve import mixed_prompts, plot_load, run_load, serve_markdown, workload_prompts
+    from .serve import mixed_prompts, run_load, workload_prompts
+    from .serve_report import plot_load, serve_markdown
 
     if args.check_greedy and (args.temperature != 0.0 or args.check_batch < 1):
         raise ConfigError("--check-greedy needs --temperature 0 and --check-batch >= 1")

@@ -71,11 +71,11 @@ def engine_rounds(shape: ModelShape, dtype: torch.dtype, device: torch.device, l
     `tree` (the same draft's top-3 tree plus lookup candidates, the shipped proposal shape), and tokens per second.
     Random weights accept little, so this prices a round; the fleet model multiplies by acceptance."""
     from ..core.budget import SpeculationBudget, TreeShape
-    from ..core.draft import SortedDraft, SortedDrafter
-    from ..core.engine import GenerationRequest, SpecEngine
+    from ..build import build_drafter, build_verifier, make_engine
+    from ..core.draft import SortedDraft
+    from ..core.engine import GenerationRequest
     from ..core.lookup import PromptLookup, TreeDrafter
     from ..core.policy import FixedK
-    from ..core.target import TargetVerifier
 
     model = random_llama(shape, layers, dtype, device)
     prompts = [[(7 * i + j) % (shape.vocab - 3) + 3 for i in range(128)] for j in range(batch)]
@@ -84,12 +84,12 @@ def engine_rounds(shape: ModelShape, dtype: torch.dtype, device: torch.device, l
         for mode in ("ar", "s2d", "tree"):
             drafter, budget = None, None
             if mode != "ar":
-                drafter = SortedDrafter(SortedDraft.cut(model, "random", draft_layers, [draft_layers]),
+                drafter = build_drafter(SortedDraft.cut(model, "random", draft_layers, [draft_layers]),
                                         cuda_graphs=graphs)
             if mode == "tree":
                 drafter = TreeDrafter(drafter, PromptLookup(max_ngram=4, num_tokens=10), alone_ngram=4)
                 budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=24), None, max_depth=4)
-            engine = SpecEngine(TargetVerifier(model, cuda_graphs=graphs), drafter, policy=FixedK(4), budget=budget)
+            engine = make_engine(build_verifier(model, cuda_graphs=graphs), drafter, policy=FixedK(4), budget=budget)
             if graphs and device.type != "cuda":
                 engine.verifier.stack.use_graphs()
             engine.generate([GenerationRequest("warm", prompts[0], 8)])

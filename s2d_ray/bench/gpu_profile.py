@@ -54,8 +54,8 @@ def generate_tok_s(model, prompt: torch.Tensor, new: int, device: torch.device, 
 def run(out_dir: Path, tiny: bool, compile_: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from ..core.engine import GenerationRequest, SpecEngine
-    from ..core.target import TargetVerifier
+    from ..build import build_verifier, make_engine
+    from ..core.engine import GenerationRequest
     from ..core.types import ScoreRequest
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -74,7 +74,7 @@ def run(out_dir: Path, tiny: bool, compile_: bool) -> dict:
     steps = 8 if tiny else 32
     res["hf_step_ms"] = hf_step_ms(model, prompt, device, steps)
     logger.info("HF forward + DynamicCache: %.2f ms per step", res["hf_step_ms"])
-    verifier = TargetVerifier(model)
+    verifier = build_verifier(model)
     toks = list(ctx)
     verifier.score([ScoreRequest("v", toks, 1)])
 
@@ -84,7 +84,7 @@ def run(out_dir: Path, tiny: bool, compile_: bool) -> dict:
 
     res["verifier_step_ms"] = median_ms(our_step, device, steps, warmup=1)
     logger.info("our verifier step: %.2f ms", res["verifier_step_ms"])
-    engine = SpecEngine(TargetVerifier(model))
+    engine = make_engine(build_verifier(model))
     engine.generate([GenerationRequest("w", ctx, 4)])
     sync(device)
     t0 = time.perf_counter()

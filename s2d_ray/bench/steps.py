@@ -21,11 +21,10 @@ from statistics import median
 import torch
 from torch import nn
 
-from ..build import build_draft, load_profile, load_target, set_threads
+from ..build import build_draft, build_drafter, build_verifier, load_profile, load_target, set_threads
 from ..config import SPEC_BENCH_QUESTIONS, EngineConfig, optional_data_file
-from ..core.draft import SortedDraft, SortedDrafter
+from ..core.draft import SortedDraft
 from ..core.kernels import Kernels
-from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 from ..models import LoadedModel
 from ..prompts import sample_prompts
@@ -62,7 +61,7 @@ def timed_ms(fn, repeats: int, warmup: int = 2) -> dict:
 def target_steps(model: nn.Module, ctx: list[int], max_k: int, repeats: int, kernels: Kernels) -> dict:
     """Decode step, and verification of k draft tokens = one forward over k + 1 positions (k + 1 logits), on the
     kernels the engine runs (`kernels`: the config's backend)."""
-    verifier = TargetVerifier(model, kernels=kernels)
+    verifier = build_verifier(model, kernels=kernels)
     verifier.score([ScoreRequest("s", ctx, 1)])  # prefill; later calls recompute only the tail
     drafts = ctx[-max_k - 1:][::-1]  # real token ids; values do not change the cost
     out = {"decode": timed_ms(lambda: verifier.score([ScoreRequest("s", ctx + drafts[:1], 1)]), repeats)}
@@ -74,7 +73,7 @@ def target_steps(model: nn.Module, ctx: list[int], max_k: int, repeats: int, ker
 
 def draft_step(draft: SortedDraft, ctx: list[int], repeats: int) -> dict:
     """One propose(k=1): the new token alternates, so each call runs exactly one position through the draft."""
-    drafter = SortedDrafter(draft)
+    drafter = build_drafter(draft)
     nxt = [ctx[-1], next(t for t in ctx if t != ctx[-1])]  # two different tokens: the prefix cut is always len(ctx)
     exits: list[int] = []
     calls = [0]

@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .threads import intra_op_threads
-
 # Up to this many stacked queries per KV head, scores are computed as K @ Q^T: BLAS reads the cache's K view (row
 # stride kv_heads x head_dim) as it is, where Q @ K^T makes torch copy every row's K first; with more queries the
 # copy is shared by enough of them that Q @ K^T wins again.
@@ -38,7 +36,7 @@ def grouped_attention(
     kv_groups: list[tuple[torch.Tensor, int]] | None = None,
     kv_runs: list[tuple[int, int, int, int]] | None = None,
     sdpa: bool = False,
-    row_invariant: bool = False,
+    per_query=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [b, h, q, d], key/value [b, kvh, k, d], mask additive or bool, broadcastable to [b, h, q, k] (None:
@@ -52,10 +50,11 @@ def grouped_attention(
 
     sdpa: the innermost attention runs as torch's SDPA instead of the grouped matmuls (a backend's choice).
 
-    row_invariant: each query row attends alone (`per_query_attention`), bit-identical to a decode step's row."""
+    per_query: a backend's kernel in which each query row attends alone, bit-identical to a decode step's row
+    (kernels/deterministic.py); it takes (query, key, value, mask, scale, kv_runs)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if row_invariant:
-        return per_query_attention(query, key, value, attention_mask, scale, kv_runs), None
+    if per_query is not None:
+        return per_query(query, key, value, attention_mask, scale, kv_runs), None
     if kv_runs is not None and (kv_groups is None or attention_mask is None):
         b, h, q, d = query.shape
         out = query.new_empty(b, q, h, d)
@@ -133,45 +132,6 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
     probs = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kvh, g * q, k)
     out = torch.matmul(probs, value).view(b, h, q, d)
     return out.transpose(1, 2).contiguous()
-
-
-def per_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scale: float,
-                        kv_runs: list[tuple[int, int, int, int]] | None = None) -> torch.Tensor:
-    """query [b, h, q, d] over key/value [b', kvh, k, d] -> [b, q, h, d], each query row computed alone over exactly
-    the keys its mask allows, gathered in slot order (a tree node: its prefix, its ancestors root first, itself: the
-    keys a decode step at that node reads), with one call shape per key count. So a row's output depends only on its
-    own query and keys, never on the other rows, the pass's width or padding (a padded softmax or a wider matmul
-    reduces in another order). kv_runs maps query rows to key rows as in `grouped_attention`."""
-    b, h, q, d = query.shape
-    if attention_mask is None:
-        allowed = causal(q, key.shape[2], query.device)[None, None]
-    elif attention_mask.dtype == torch.bool:
-        allowed = attention_mask
-    else:
-        allowed = attention_mask > torch.finfo(attention_mask.dtype).min
-    allowed = allowed[:, 0].expand(b, q, key.shape[2])  # one mask row per query row (the same for every head)
-    key_rows = list(range(b)) if kv_runs is None else [ka + i - qa for qa, qb, ka, _ in kv_runs for i in range(qa, qb)]
-    counts = allowed.sum(-1).flatten().tolist()
-    slots = allowed.nonzero()[:, 2].split(counts)  # row-major: each query row's allowed slots, ascending
-    rows = query.transpose(1, 2).contiguous()  # [b, q, h, d]: each query row one contiguous [h, d] block
-    out = torch.empty_like(rows)
-    # One CPU thread: these calls are too small to split, and a contended second thread only adds barrier waits.
-    with intra_op_threads(1 if query.device.type == "cpu" else None):
-        for n, idx in enumerate(slots):
-            i, j = divmod(n, q)
-            out[i, j] = _one_query(rows[i, j], key[key_rows[i]].index_select(1, idx),
-                                   value[key_rows[i]].index_select(1, idx), scale)
-    return out
-
-
-def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [h, d] over contiguous key/value [kvh, n, d] -> [h, d]: what every row of `per_query_attention` runs."""
-    kvh, d = key.shape[0], key.shape[2]
-    acc = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query.view(kvh, -1, d), key.transpose(-1, -2)).to(acc) * scale
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).view(-1, d)
 
 
 def causal(q: int, k: int, device: torch.device) -> torch.Tensor:

@@ -22,9 +22,9 @@ from .frontier import DraftTree, commit_path, expand_frontier
 from .kernels import STOCK, Kernels
 from .prefix_cache import PrefixCacheSpec
 from .sampling import logits_to_probs, round_generator, sample
-from .stack import (PREFILL_CHUNK, DecoderParts, LayerStack, RowState, RowTable, decoder_parts, length_groups,
-                    pending_grid)
-from .threads import AdaptiveThreads
+from .decoder import DecoderParts, decoder_parts
+from .rows import PREFILL_CHUNK, RowState, RowTable, length_groups, pending_grid
+from .stack import LayerStack
 from .types import DraftRequest, Proposal
 
 logger = logging.getLogger(__name__)
@@ -128,15 +128,10 @@ class SortedDrafter:
     """Proposes tokens with adaptive exits over a SortedDraft; batched over sequences, KV per sequence."""
 
     def __init__(self, draft: SortedDraft, stop_confidence: float = 0.0, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True, wide_threads: int | None = None,
-                 prefix_cache: PrefixCacheSpec | None = None, threads: AdaptiveThreads | None = None) -> None:
+                 cuda_graphs: bool = True, prefix_cache: PrefixCacheSpec | None = None) -> None:
         self.draft = draft
         self.prefill_chunk = prefill_chunk  # 0: a prompt in one pass
         self.stack = draft.stack
-        if wide_threads:
-            self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
-        if threads is not None:
-            self.stack.threads = threads  # each pass on the thread count measured fastest for it (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda" and self.stack.graphs is None:
             self.stack.use_graphs()  # each segment's forwards as CUDA graphs (core/graphs.py)
         self.stack.use_fast_projections()  # the backend's projections (on the CPU: packed weights where faster)

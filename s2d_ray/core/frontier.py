@@ -25,7 +25,8 @@ from typing import Protocol
 import torch
 
 from .cache import HiddenStore, SlotKVCache, causal_allowed
-from .stack import LayerStack, PendingTree, RowState, length_groups
+from .rows import PendingTree, RowState, length_groups
+from .stack import LayerStack
 from .target import widen
 from .tree import TokenTree, ancestor_mask
 from .types import DraftRequest, Proposal

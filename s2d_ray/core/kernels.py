@@ -8,7 +8,8 @@ draft at construction. Any backend computes the same numbers up to rounding; exa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,17 +49,45 @@ class AttentionKernel:
 
     grouped: through core/attention.py's `grouped_attention` (row groups, cache runs, one mask for every head);
     False: the model's own attention with a mask per head. sdpa: the kinds of pass (ATTENTION_CASES) whose innermost
-    grouped_attention kernel is torch's SDPA instead of grouped matmuls. row_invariant: every query row attends alone
-    over exactly the keys it sees, in the call a one-token decode step makes (grouped_attention's `row_invariant`),
-    so its output never depends on the other rows, the pass's width or a token tree's shape."""
+    grouped_attention kernel is torch's SDPA instead of grouped matmuls. per_query: the backend's kernel in which every
+    query row attends alone over exactly the keys it sees, in the call a one-token decode step makes, so its output
+    never depends on the other rows, the pass's width or a token tree's shape (`row_invariant`)."""
 
     grouped: bool = False
     sdpa: frozenset[str] = frozenset()
-    row_invariant: bool = False
+    per_query: Callable | None = None  # (query, key, value, mask, scale, kv_runs) -> out: each query row alone
+
+    @property
+    def row_invariant(self) -> bool:
+        return self.per_query is not None
+
+
+class PassRunner(Protocol):
+    """How a stack's passes run on the machine (a CPU backend: each pass's intra-op thread count). The algorithm
+    never depends on it; one runner per stack, since it may keep per-pass measurements."""
+
+    def run(self, kind: Hashable, positions: int) -> contextlib.AbstractContextManager:
+        """A context for one pass of `kind` (a segment index, or "head") over `positions` positions."""
+        ...
+
+    def chosen(self) -> dict[str, int]:
+        """What the runner currently chooses (stats and /health)."""
+        ...
+
+
+class PlainPasses:
+    """Every pass as the calling thread is set up: nothing chosen or measured."""
+
+    def run(self, kind: Hashable, positions: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def chosen(self) -> dict[str, int]:
+        return {}
 
 
 class Kernels(Protocol):
-    """The backend contract: route attention, swap projections for faster equivalents, say what it chose."""
+    """The backend contract: route attention, swap projections for faster equivalents, run passes on the machine
+    (threads), say what it chose."""
 
     def attention(self, layers: nn.ModuleList, shape: AttentionShape) -> AttentionKernel:
         """Route these decoder layers' attention (or leave it) and say how the stack calls it."""
@@ -76,6 +105,10 @@ class Kernels(Protocol):
         """How many of `modules` run each of the backend's kernels (stats and /health)."""
         ...
 
+    def passes(self, device: torch.device) -> PassRunner:
+        """A new runner for one stack's passes on `device`."""
+        ...
+
 
 class StockKernels:
     """torch's kernels as the model has them: nothing is routed, swapped or measured."""
@@ -91,6 +124,9 @@ class StockKernels:
 
     def describe(self, modules: Iterable[nn.Module | None]) -> dict[str, int]:
         return {}
+
+    def passes(self, device: torch.device) -> PassRunner:
+        return PlainPasses()
 
 
 STOCK = StockKernels()

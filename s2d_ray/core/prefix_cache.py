@@ -42,7 +42,7 @@ class RetiredRows:
 
     def __init__(self, spec: PrefixCacheSpec) -> None:
         self.spec = spec
-        self.entries: OrderedDict[int, object] = OrderedDict()  # key -> RowState (stack.py; typed loosely: no cycle)
+        self.entries: OrderedDict[int, object] = OrderedDict()  # key -> RowState (rows.py; typed loosely: no cycle)
         self.num_tokens = 0
         self.queries = self.hits = 0
         self._next_key = 0

@@ -11,9 +11,9 @@ from torch import nn
 from .cache import causal_allowed
 from .kernels import STOCK, Kernels
 from .prefix_cache import PrefixCacheSpec
-from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, decoder_parts,
-                    length_groups, pending_grid)
-from .threads import AdaptiveThreads
+from .decoder import decoder_parts
+from .rows import FREE_WIDTH, PREFILL_CHUNK, PendingTree, RowState, RowTable, length_groups, pending_grid
+from .stack import LayerStack
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
 
@@ -39,13 +39,11 @@ class TargetVerifier:
     """
 
     def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
-                 cuda_graphs: bool = True, wide_threads: int | None = None, kernels: Kernels = STOCK,
-                 prefix_cache: PrefixCacheSpec | None = None, threads: AdaptiveThreads | None = None) -> None:
+                 cuda_graphs: bool = True, kernels: Kernels = STOCK,
+                 prefix_cache: PrefixCacheSpec | None = None) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)], kernels=kernels)
-        self.stack.wide_threads = wide_threads  # prompts and big batches on more cores (core/threads.py)
-        self.stack.threads = threads  # each pass on the thread count measured fastest for it (core/threads.py)
         if cuda_graphs and self.stack.device.type == "cuda":
             self.stack.use_graphs()  # decode and verify forwards as CUDA graphs (core/graphs.py)
         self.stack.use_fast_projections()  # the backend's projections (on the CPU: packed weights where faster)

@@ -96,12 +96,11 @@ def token_tflops(shape: ModelShape, dtype: torch.dtype, device: torch.device, co
     """The marginal rate of extra tokens through real decoder layers of `shape` (random weights, `layers` of them,
     our verifier and cache): modelled FLOPs of `few` positions over one, per second of their time difference. It
     includes what the FLOP count leaves out (attention kernels, norms, activations), at their real proportions."""
-    from ..build import make_kernels
-    from ..core.target import TargetVerifier
+    from ..build import build_verifier
     from ..core.types import ScoreRequest
 
     model = random_llama(shape, layers, dtype, device)
-    verifier = TargetVerifier(model, kernels=make_kernels())
+    verifier = build_verifier(model)
     ctx = [(13 * i) % (shape.vocab - 3) + 3 for i in range(context)]
     verifier.score([ScoreRequest("t", ctx, 1)])
     extra = ctx[:few]
@@ -116,11 +115,10 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
     """ms per layer per forward, per forward, per extra row of a forward, per engine round and per extra row of it
     (outside forwards), per draft depth, and per speculative round and row beyond its forwards (acceptance,
     the draft's catch-up), measured on models of tiny width (hidden 64) with the real layer counts."""
-    from ..build import make_kernels
-    from ..core.draft import SortedDraft, SortedDrafter
-    from ..core.engine import GenerationRequest, SpecEngine
+    from ..build import build_drafter, build_verifier, make_engine, make_kernels
+    from ..core.draft import SortedDraft
+    from ..core.engine import GenerationRequest
     from ..core.policy import FixedK
-    from ..core.target import TargetVerifier
     from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 
     tiny = ModelShape("tiny", layers, 64, 128, 2, 2, 32, 256)
@@ -130,7 +128,7 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
     lo, layers = 1, max(layers, draft_layers, 4)  # two depths separate per-layer from per-forward cost
     for n in (lo, layers):
         model = random_llama(tiny, n, dtype, device)
-        verifier = TargetVerifier(model, kernels=kernels)
+        verifier = build_verifier(model, kernels=kernels)
         verifier.score([ScoreRequest("s", ctx, 1)])
         fwd[n] = median_ms(lambda: verifier.score([ScoreRequest("s", ctx + [5], 1)]), device, repeat)
     per_layer = max((fwd[layers] - fwd[lo]) / (layers - lo), 0.0)
@@ -141,7 +139,7 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
     wide = median_ms(lambda: verifier.score([ScoreRequest(f"r{i}", ctx + [5], 1) for i in range(rows)]), device, repeat)
     per_row = max((wide - fwd[layers]) / (rows - 1), 0.0)
     draft = SortedDraft.cut(model, "tiny", draft_layers, [draft_layers], kernels=kernels)
-    drafter = SortedDrafter(draft)
+    drafter = build_drafter(draft)
     k = 8
     flips = [[DraftRequest("d", ctx[:-1] + [last], k, SamplingParams())] for last in (11, 12)]
     calls = [0]
@@ -155,8 +153,8 @@ def overheads(dtype: torch.dtype, device: torch.device, layers: int = 30, draft_
     def round_ms(spec: bool, batch: int, gen: int = 24) -> float:
         """ms per engine round: `batch` rows decoding together, plain or with k = 1 drafts (the tiny model's
         acceptance does not matter: time is divided by the rounds actually run)."""
-        engine = SpecEngine(TargetVerifier(model, kernels=kernels), SortedDrafter(draft) if spec else None,
-                            policy=FixedK(1))
+        engine = make_engine(build_verifier(model, kernels=kernels), build_drafter(draft) if spec else None,
+                             policy=FixedK(1))
         engine.generate([GenerationRequest("w", ctx, 4)])
         per_round = []
         for r in range(max(repeat // 3, 3)):

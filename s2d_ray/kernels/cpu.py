@@ -8,19 +8,20 @@ faster here (kernels/attention.py); projections run on weights packed once where
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..core.kernels import ATTENTION_CASES, AttentionKernel, AttentionShape
+from ..core.kernels import ATTENTION_CASES, AttentionKernel, AttentionShape, PassRunner, PlainPasses
 from ..errors import ConfigError
 from .attention import sdpa_cases, use_grouped
 from .linear import (
     PackedLinear, one_row_is_faster, one_row_supported, packed, packed_is_faster, supported, with_packed_linears,
 )
+from .threads import AdaptiveThreads, CpuPasses
 from .timing_store import TimingStore
 
 # Projections: "auto" (packed weights where measured faster per shape: oneDNN for several rows, MKL for one row),
@@ -35,11 +36,17 @@ ENV_LINEAR_KERNEL = "S2D_LINEAR_KERNEL"  # overrides the configured projections 
 @dataclass(frozen=True)
 class CpuKernels:
     """The Kernels contract (core/kernels.py) on the CPU; `times`: where measurements are merged (None: this
-    process's alone)."""
+    process's alone); `wide_threads`: intra-op threads for wide passes (None: the thread's own count);
+    `adaptive_threads`: each stack's passes run on the thread count measured fastest for them (AdaptiveThreads),
+    cued by a reader of the machine's idle cores that `idle_cores` makes per stack (hardware.IdleCores.here);
+    False: the counts as configured."""
 
     linear: str = "auto"
     attention_kernel: str = "auto"
     times: TimingStore | None = None
+    wide_threads: int | None = None
+    adaptive_threads: bool = False
+    idle_cores: Callable[[], Callable[[], float] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
@@ -49,10 +56,21 @@ class CpuKernels:
                               f"{', '.join(ATTENTION_KERNELS)}")
 
     @classmethod
-    def from_settings(cls, linear: str, kernel_times: str | None, default_times: Path) -> CpuKernels:
+    def from_settings(cls, linear: str, kernel_times: str | None, default_times: Path,
+                      wide_threads: int | None = None, adaptive_threads: bool = False,
+                      idle_cores: Callable[[], Callable[[], float] | None] | None = None) -> CpuKernels:
         """The backend configured settings ask for; S2D_LINEAR_KERNEL and S2D_KERNEL_TIMES override them."""
         return cls(linear=os.environ.get(ENV_LINEAR_KERNEL) or linear,
-                   times=TimingStore.from_setting(kernel_times, default_times))
+                   times=TimingStore.from_setting(kernel_times, default_times), wide_threads=wide_threads,
+                   adaptive_threads=adaptive_threads, idle_cores=idle_cores)
+
+    def passes(self, device: torch.device) -> PassRunner:
+        """A stack's thread policy: only the CPU has threads to choose."""
+        if device.type != "cpu":
+            return PlainPasses()
+        idle = self.idle_cores() if self.idle_cores is not None else None
+        governor = AdaptiveThreads(idle=idle) if self.adaptive_threads else None
+        return CpuPasses(self.wide_threads, governor)
 
     def attention(self, layers: nn.ModuleList, shape: AttentionShape) -> AttentionKernel:
         if shape.device.type != "cpu":

@@ -10,8 +10,9 @@ speculation parts from plain decoding at near-ties. Here:
 - projections and the LM head run on exactly CHUNK_ROWS rows per call (rows split into chunks, the last padded with
   zeros): every row goes through the same GEMM call shape, whose per-row result depends on neither the row's place
   in the chunk nor the other rows;
-- attention runs each query row alone over exactly its own keys in decode order (core/attention.py,
-  `per_query_attention`): a tree node over its prefix and ancestors, as a decode step at that node would;
+- attention runs each query row alone over exactly its own keys in decode order (`per_query_attention`): a tree
+  node over its prefix and ancestors, as a decode step at that node would;
+- every pass runs on the same intra-op thread count (`FixedPasses`): oneDNN may split a GEMM's reduction by it;
 - norms, RoPE, activations and residual adds are per row already.
 
 Then every position's KV and logits equal a one-token decode step's bit for bit, so greedy speculation equals plain
@@ -28,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.kernels import AttentionKernel, AttentionShape
+from ..core.attention import causal
+from ..core.kernels import AttentionKernel, AttentionShape, PassRunner, PlainPasses
 from .attention import use_grouped
 from .linear import with_linears
+from .threads import FixedPasses, intra_op_threads
 
 CHUNK_ROWS = 8  # rows per projection call: a decode step's one row pays for 8, a pass of 9..16 positions two calls
 
@@ -66,7 +69,7 @@ class DeterministicKernels:
 
     def attention(self, layers: nn.ModuleList, shape: AttentionShape) -> AttentionKernel:
         use_grouped(layers)
-        return AttentionKernel(grouped=True, row_invariant=True)
+        return AttentionKernel(grouped=True, per_query=per_query_attention)
 
     def projections(self, module: nn.Module) -> nn.Module:
         return with_linears(module, lambda linear: RowChunkedLinear(linear.weight, linear.bias))
@@ -79,3 +82,46 @@ class DeterministicKernels:
         seen = {id(m): m for top in modules if top is not None for m in top.modules()
                 if isinstance(m, RowChunkedLinear)}
         return {"row_chunked": len(seen), "chunk_rows": CHUNK_ROWS}
+
+    def passes(self, device: torch.device) -> PassRunner:
+        """Every pass on the process's configured thread count (a wide pass included): see FixedPasses."""
+        return FixedPasses(torch.get_num_threads()) if device.type == "cpu" else PlainPasses()
+
+
+def per_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scale: float,
+                        kv_runs: list[tuple[int, int, int, int]] | None = None) -> torch.Tensor:
+    """query [b, h, q, d] over key/value [b', kvh, k, d] -> [b, q, h, d], each query row computed alone over exactly
+    the keys its mask allows, gathered in slot order (a tree node: its prefix, its ancestors root first, itself: the
+    keys a decode step at that node reads), with one call shape per key count. So a row's output depends only on its
+    own query and keys, never on the other rows, the pass's width or padding (a padded softmax or a wider matmul
+    reduces in another order). kv_runs maps query rows to key rows as in `grouped_attention`."""
+    b, h, q, d = query.shape
+    if attention_mask is None:
+        allowed = causal(q, key.shape[2], query.device)[None, None]
+    elif attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min
+    allowed = allowed[:, 0].expand(b, q, key.shape[2])  # one mask row per query row (the same for every head)
+    key_rows = list(range(b)) if kv_runs is None else [ka + i - qa for qa, qb, ka, _ in kv_runs for i in range(qa, qb)]
+    counts = allowed.sum(-1).flatten().tolist()
+    slots = allowed.nonzero()[:, 2].split(counts)  # row-major: each query row's allowed slots, ascending
+    rows = query.transpose(1, 2).contiguous()  # [b, q, h, d]: each query row one contiguous [h, d] block
+    out = torch.empty_like(rows)
+    # One CPU thread: these calls are too small to split, and a contended second thread only adds barrier waits.
+    with intra_op_threads(1 if query.device.type == "cpu" else None):
+        for n, idx in enumerate(slots):
+            i, j = divmod(n, q)
+            out[i, j] = _one_query(rows[i, j], key[key_rows[i]].index_select(1, idx),
+                                   value[key_rows[i]].index_select(1, idx), scale)
+    return out
+
+
+def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [h, d] over contiguous key/value [kvh, n, d] -> [h, d]: what every row of `per_query_attention` runs."""
+    kvh, d = key.shape[0], key.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    scores = torch.matmul(query.view(kvh, -1, d), key.transpose(-1, -2)).to(acc) * scale
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).view(-1, d)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..core.draft import DraftSpec, SortedDraft
 from ..core.kernels import STOCK, Kernels
-from ..core.stack import decoder_parts
+from ..core.decoder import decoder_parts
 from ..errors import ModelLoadError
 
 DRAFT_CONFIG = "s2d_draft.json"

@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.stack import common_prefix
+from ..core.rows import common_prefix
 
 PIN = "|pin="  # in a sequence's key: the replica it was placed on (replica ids and sequence keys never hold it)
 

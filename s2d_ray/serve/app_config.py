@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..config import (
     DEFAULT_TARGET, DETERMINISTIC_HELP, KERNEL_TIMES_HELP, LINEAR_KERNEL_HELP, DraftConfig, DType, EngineConfig,
-    LinearKernel, SpecConfig, TargetConfig, PrefixCacheConfig, SuffixConfig,
+    LinearKernel, SpecConfig, TargetConfig, PrefixCacheConfig, SuffixConfig, context_window,
 )
 from ..hardware import resolve_dtype
 from ..models.capacity import (
@@ -423,10 +423,9 @@ class AppConfig(_Strict):
         return configured if capacity is None else min(configured, capacity.rows)
 
     def target_window(self, name: str, config: dict[str, Any]) -> int:
-        """Longest sequence admitted for a target: its context, capped by limits.max_total_tokens."""
-        spec = self.target(name)
-        ctx = spec.max_context or config.get("max_position_embeddings") or self.limits.max_total_tokens
-        return min(int(ctx), self.limits.max_total_tokens)
+        """Longest sequence admitted for a target (config: its model's config.json): config.context_window, capped by
+        limits.max_total_tokens; the most slots a replica's cache ever needs for it."""
+        return context_window(self.target(name).max_context, config, self.limits.max_total_tokens)
 
     def _prefix_budget_fits(self, spec: TargetSpec) -> None:
         """A prefix_cache.max_tokens given in the config within the target's memory (its share with memory_fraction),

@@ -11,11 +11,10 @@ from dataclasses import replace
 
 from ray import serve
 
-from ..build import (apply_exits, build_draft, draft_base_source, load_profile, load_target, set_threads,
-                     thread_governor)
+from ..build import apply_exits, build_draft, build_drafter, draft_base_source, load_profile, load_target, set_threads
 from ..config import DraftConfig, EngineConfig, TargetConfig
 from ..core.draft import SortedDraft, SortedDrafter
-from ..core.stack import limit_rows
+from ..core.rows import limit_rows
 from ..core.types import DraftRequest
 from ..hardware import resolve_dtype
 from ..gc_pauses import gc_pauses
@@ -32,15 +31,23 @@ logger = logging.getLogger(__name__)
 
 def load_shared_draft(cfg: AppConfig) -> SortedDraft:
     """Load the draft's base model and the draft on top of it (exits/thresholds from cfg.draft and cfg.spec)."""
+    ecfg = draft_engine_config(cfg)
+    base = load_target(ecfg)
+    return build_draft(ecfg, base, load_profile(ecfg), base_model=cfg.draft.base_model)
+
+
+def draft_engine_config(cfg: AppConfig) -> EngineConfig:
+    """The engine settings the shared draft is built with: its base model as the `target`, the app's threads,
+    kernels, CUDA graphs and prefix cache (draft KV depends on tokens alone: every target's rows share it)."""
     base_source = draft_base_source(cfg.draft.source, cfg.draft.base_model)
-    ecfg = EngineConfig(
+    return EngineConfig(
         target=TargetConfig(name=base_source, dtype=resolve_dtype(cfg.draft.dtype, cfg.draft.device)),
         draft=DraftConfig(source=cfg.draft.source, exit_layers=cfg.draft.exit_layers,
                           thresholds=cfg.draft.thresholds, stop_confidence=cfg.draft.stop_confidence),
         spec=cfg.spec, cache_dir=cfg.cache_dir, trust_remote_code=cfg.trust_remote_code,
+        num_threads=cfg.num_threads, wide_threads=cfg.wide_threads, adaptive_threads=cfg.adaptive_threads,
+        linear_kernel=cfg.linear_kernel, kernel_times=cfg.kernel_times, prefix_cache=cfg.prefix_cache,
     )
-    base = load_target(ecfg)
-    return build_draft(ecfg, base, load_profile(ecfg), base_model=cfg.draft.base_model)
 
 
 def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, SortedDrafter], dict[str, tuple]]:
@@ -55,9 +62,9 @@ def per_target_drafters(cfg: AppConfig, draft: SortedDraft) -> tuple[dict[str, S
         tuned = apply_exits(draft, ecfg, load_profile(ecfg))  # without a profile: the draft's own settings
         layers = tuple(tuned.spec.exit_layers)
         if layers != tuple(draft.spec.exit_layers):
-            out[t.name] = by_layers.setdefault(
-                layers, SortedDrafter(tuned, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads,
-                                      threads=thread_governor(cfg.adaptive_threads, tuned.stack.device)))
+            if layers not in by_layers:
+                by_layers[layers] = build_drafter(tuned, draft_engine_config(cfg))
+            out[t.name] = by_layers[layers]
         own = out[t.name].thresholds if t.name in out else draft.spec.thresholds
         if tuple(tuned.spec.thresholds) != tuple(own):
             thresholds[t.name] = tuple(tuned.spec.thresholds)
@@ -77,8 +84,7 @@ class DraftDeployment:
         set_threads(cfg.num_threads)
         self.thread = process_model_thread(cfg.num_threads)  # the router's, with draft.placement: router
         draft = load_shared_draft(cfg)
-        self.default = SortedDrafter(draft, cfg.draft.stop_confidence, wide_threads=cfg.wide_threads,
-                                     threads=thread_governor(cfg.adaptive_threads, draft.stack.device))
+        self.default = build_drafter(draft, draft_engine_config(cfg))
         self.by_target, self.thresholds = per_target_drafters(cfg, draft)
         # Each distinct drafter once (targets with equal settings share one); fixed for the replica's lifetime.
         self.drafters = list({id(d): d for d in [self.default, *self.by_target.values()]}.values())
@@ -86,7 +92,6 @@ class DraftDeployment:
         max_slots = max(target_window(cfg, t.name) for t in cfg.targets)
         for d in self.drafters:  # memory per drafter <= max_rows x max_slots (docs/SERVING.md)
             limit_rows(d, self.max_rows, max_slots)
-            d.table.use_prefix_cache(cfg.prefix_cache.spec())  # draft KV depends on tokens alone: targets share it
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
         self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)

@@ -21,9 +21,7 @@ def load_tokenizer(source: str, cache_dir: str | None, trust_remote_code: bool, 
     return tokenizer
 
 
-def model_context(source: str, cache_dir: str | None) -> int | None:
-    """max_position_embeddings from the model's config.json, if it has one."""
+def model_config(source: str, cache_dir: str | None) -> dict:
+    """The model's config.json, read without loading the model (what a router and a deployment size by)."""
     path = resolve_model_dir(canonical_source(source), Path(cache_dir) if cache_dir else None)
-    cfg = json.loads((path / "config.json").read_text())
-    value = cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
-    return int(value) if value else None
+    return json.loads((path / "config.json").read_text())

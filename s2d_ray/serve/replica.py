@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,8 @@ import torch
 
 from ..core.sampling import compact_scores
 from ..core.steps import score_steps
+
+logger = logging.getLogger(__name__)
 
 
 class ModelThread:
@@ -214,13 +217,25 @@ def replica_id() -> str:
 
 
 def target_window(cfg: Any, name: str) -> int:
-    """Longest sequence the router admits for a target (its context, capped by limits.max_total_tokens): the most
-    slots a replica's cache ever needs for it."""
-    from .loaders import model_context
+    """AppConfig.target_window for a target, read from its model's config.json."""
+    from .loaders import model_config
 
     spec = cfg.target(name)
-    ctx = spec.max_context or model_context(spec.resolved_source, cfg.cache_dir) or cfg.limits.max_total_tokens
-    return min(ctx, cfg.limits.max_total_tokens)
+    return cfg.target_window(name, model_config(spec.resolved_source, cfg.cache_dir))
+
+
+def sized_rows(spec: Any, model: torch.nn.Module, max_slots: int) -> int:
+    """KV rows this process keeps for the target: with `memory_fraction`, what fits in that share of its device's
+    memory after the weights it holds (measured, logged); else max_live_sequences. Raises when not one row fits."""
+    if spec.memory_fraction is None:
+        return spec.max_live_sequences
+    from ..models.capacity import device_memory_bytes
+
+    device = next(model.parameters()).device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    capacity = spec.capacity(model.config.to_dict(), max_slots, device_memory_bytes(str(device)), weights)
+    logger.info("target %s on %s: KV sized from memory: %s", spec.name, device, capacity.describe())
+    return capacity.rows
 
 
 def split_like(flat: list[Any], batches: list[list[Any]]) -> list[list[Any]]:

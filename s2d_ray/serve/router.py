@@ -37,14 +37,14 @@ from .http_api import (
     ApiError, api_error, authorize, body_schema, error_response, parse_body, read_body, store_scope,
     validation_error,
 )
-from .loaders import load_tokenizer, model_context
+from .loaders import load_tokenizer
 from .metrics import ServeMetrics, prefix_cache_totals
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
-from .replica import InProcessHandle, device_report, process_model_thread, replica_id
+from .replica import InProcessHandle, device_report, process_model_thread, replica_id, target_window
 from .round_timing import CallTimes
 from .scheduler import TargetScheduler
 
@@ -129,8 +129,7 @@ class Router:
     def _model_info(self, name: str) -> ModelInfo:
         spec = self.cfg.target(name)
         tok = load_tokenizer(spec.resolved_source, self.cfg.cache_dir, self.cfg.trust_remote_code, spec.chat_template)
-        ctx = (spec.max_context or model_context(spec.resolved_source, self.cfg.cache_dir)
-               or self.cfg.limits.max_total_tokens)
+        ctx = target_window(self.cfg, name)
         eos = tuple(i for i in {tok.eos_token_id} if i is not None)
         return ModelInfo(name, tok, ctx, eos)
 

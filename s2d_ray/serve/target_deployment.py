@@ -9,16 +9,15 @@ import time
 import torch
 from ray import serve
 
-from ..build import load_target, make_kernels, set_threads, thread_governor
-from ..core.stack import limit_rows
+from ..build import build_verifier, load_target, set_threads
+from ..core.rows import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..gc_pauses import gc_pauses
-from ..models.capacity import device_memory_bytes
-from .app_config import AppConfig, TargetSpec
+from .app_config import AppConfig
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, device_report, process_model_thread, release_all, replica_id,
-    return_freed_memory, score_counted, split_like, target_window,
+    return_freed_memory, score_counted, sized_rows, split_like, target_window,
 )
 from .tp import TPGroup
 
@@ -70,18 +69,6 @@ class LocalTarget:
         """Nothing to stop: the model thread is the process's (it ends with the process)."""
 
 
-def sized_rows(spec: TargetSpec, model: torch.nn.Module, max_slots: int) -> int:
-    """KV rows this process keeps for the target: with `memory_fraction`, what fits in that share of its device's
-    memory after the weights it holds (measured, logged); else max_live_sequences. Raises when not one row fits."""
-    if spec.memory_fraction is None:
-        return spec.max_live_sequences
-    device = next(model.parameters()).device
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    capacity = spec.capacity(model.config.to_dict(), max_slots, device_memory_bytes(str(device)), weights)
-    logger.info("target %s on %s: KV sized from memory: %s", spec.name, device, capacity.describe())
-    return capacity.rows
-
-
 @serve.deployment
 class TargetDeployment:
     def __init__(self, cfg: AppConfig, name: str) -> None:
@@ -95,10 +82,7 @@ class TargetDeployment:
             self.max_rows = self.backend.max_rows
         else:
             model = load_target(ecfg).model
-            verifier = TargetVerifier(model, cuda_graphs=ecfg.cuda_graphs, wide_threads=ecfg.wide_threads,
-                                      kernels=make_kernels(ecfg), prefix_cache=ecfg.prefix_cache.spec(),
-                                      threads=thread_governor(ecfg.adaptive_threads and not ecfg.deterministic,
-                                                              model.device))
+            verifier = build_verifier(model, ecfg)
             self.max_rows = sized_rows(spec, model, max_slots)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)

@@ -22,9 +22,9 @@ import torch
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..build import DTYPES, load_target, make_kernels, set_threads
+from ..build import DTYPES, build_verifier, load_target, set_threads
 from ..config import EngineConfig
-from ..core.stack import limit_rows
+from ..core.rows import limit_rows
 from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..errors import ServiceUnavailableError
@@ -32,7 +32,9 @@ from ..models import canonical_source, resolve_model_dir
 from ..models.shards import checkpoint_files, load_sharded, peak_rss_bytes, reset_peak_rss
 from ..shm_buffers import remove_shm_buffers, unlink_when_mapped
 from .app_config import TargetSpec
-from .replica import device_report, process_model_thread, release_all, return_freed_memory, score_counted
+from .replica import (
+    device_report, process_model_thread, release_all, return_freed_memory, score_counted, sized_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +125,7 @@ class TPWorker:
         unlink_when_mapped(self.rank, dist.barrier)  # a killed rank leaves no /dev/shm file behind
         reset_peak_rss()  # the peak reported is loading's
         model, loading = self._load()
-        self.verifier = TargetVerifier(model, cuda_graphs=False,  # all-reduces inside: not captured
-                                       kernels=make_kernels(self.ecfg), prefix_cache=self.ecfg.prefix_cache.spec())
+        self.verifier = build_verifier(model, self.ecfg, cuda_graphs=False)  # all-reduces inside: not captured
         rows = self.spec_rows(model, max_rows, max_slots)
         limit_rows(self.verifier, rows, max_slots)
         returned = return_freed_memory()
@@ -156,8 +157,6 @@ class TPWorker:
 
     def spec_rows(self, model: torch.nn.Module, max_rows: int, max_slots: int) -> int:
         """KV rows this rank keeps: sized from its device's memory when the target sets memory_fraction."""
-        from .target_deployment import sized_rows
-
         return sized_rows(self.spec, model, max_slots) if self.spec is not None else max_rows
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple | RankFailure | None:

@@ -16,10 +16,9 @@ from statistics import median
 
 import torch
 
-from ..build import make_kernels
-from ..core.draft import SortedDraft, SortedDrafter
+from ..build import build_drafter, build_verifier
+from ..core.draft import SortedDraft
 from ..core.kernels import Kernels
-from ..core.target import TargetVerifier
 from ..core.types import DraftRequest, SamplingParams, ScoreRequest
 from ..fleet.measure import sync
 from .validate import PathPreds, adaptive_correct
@@ -156,7 +155,7 @@ def _timeit(fn, repeat: int) -> float:
 
 @torch.no_grad()
 def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, positions=GRID_POSITIONS,
-                        repeat: int = 5, wide_threads: int | None = None,
+                        repeat: int = 5,
                         kernels: Kernels | None = None) -> dict[int, dict[int, float]]:
     """Seconds of one target forward over B rows of n positions each, every row's KV prefilled to `context`.
 
@@ -165,7 +164,7 @@ def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, 
     extra = (list(context[::-1]) * (max(positions) // max(len(context), 1) + 1))[: max(positions)]
     grid: dict[int, dict[int, float]] = {}
     for b in batches:
-        verifier = TargetVerifier(target_model, wide_threads=wide_threads, kernels=kernels or make_kernels())
+        verifier = build_verifier(target_model, kernels=kernels)
         ids = [f"g{i}" for i in range(b)]
         for i in range(0, b, 4):  # prefill in chunks: bounded memory for the [rows, heads, q, kv] mask
             verifier.score([ScoreRequest(s, list(context), 1) for s in ids[i : i + 4]])
@@ -184,11 +183,10 @@ def measure_verify_grid(target_model, context: list[int], batches=GRID_BATCHES, 
     return grid
 
 
-def _draft_depth(draft: SortedDraft, context: list[int], rows: int, repeat: int, k: int,
-                 wide_threads: int | None = None) -> float:
+def _draft_depth(draft: SortedDraft, context: list[int], rows: int, repeat: int, k: int) -> float:
     """Seconds per draft depth (one token per row) for `rows` sequences: propose k tokens from a recomputed last
     token (alternated, as after a verification), divided by k."""
-    drafter = SortedDrafter(draft, wide_threads=wide_threads)
+    drafter = build_drafter(draft)
     flips = [[DraftRequest(f"d{i}", list(context[:-1]) + [last], k, SamplingParams()) for i in range(rows)]
              for last in (context[-1], next(t for t in context if t != context[-1]))]
     flip = itertools.cycle(flips)
@@ -197,16 +195,17 @@ def _draft_depth(draft: SortedDraft, context: list[int], rows: int, repeat: int,
 
 @torch.no_grad()
 def measure_costs(draft: SortedDraft, target_model, context: list[int], repeat: int = 5, k: int = 8,
-                  batches=GRID_BATCHES, positions=GRID_POSITIONS, wide_threads: int | None = None) -> Costs:
+                  batches=GRID_BATCHES, positions=GRID_POSITIONS) -> Costs:
     """Per draft token at each single exit, one LM head, the verify grid (batch x positions), and the draft's
-    per-row cost, all at the given context (KV prefilled); wide passes on `wide_threads` as the engine runs them."""
+    per-row cost, all at the given context (KV prefilled); passes on the draft's kernels and threads, as the engine
+    runs them."""
     exit_token = [_draft_depth(draft.with_exits([e], [0.0]), context, 1, repeat, k) for e in draft.spec.exit_layers]
     h = torch.zeros(1, draft.parts.embed.weight.shape[1], dtype=draft.stack.dtype)
     head = _timeit(lambda: draft.stack.logits(h), repeat * 4)
     if 1 not in batches:
         raise ValueError("the verify grid needs batch 1 (plain decoding's cost)")
-    grid = measure_verify_grid(target_model, context, batches, positions, repeat, wide_threads, draft.kernels)
+    grid = measure_verify_grid(target_model, context, batches, positions, repeat, draft.kernels)
     deepest = draft.with_exits([draft.spec.exit_layers[-1]], [0.0])
-    many = _draft_depth(deepest, context, DRAFT_ROW_BATCH, repeat, k, wide_threads)
+    many = _draft_depth(deepest, context, DRAFT_ROW_BATCH, repeat, k)
     draft_row = max(many - exit_token[-1], 0.0) / (DRAFT_ROW_BATCH - 1)
     return Costs(exit_token, head, dict(grid[1]), grid, draft_row)

@@ -68,8 +68,7 @@ def measure_profile_costs(cfg, args: argparse.Namespace, target=None, draft=None
     and dtype."""
     target = target or load_target(cfg)
     draft = draft or build_draft(cfg, target, load_profile(cfg))
-    costs = measure_costs(draft, target.model, cost_context(target.tokenizer, args.context), repeat=args.repeats,
-                          wide_threads=cfg.wide_threads)
+    costs = measure_costs(draft, target.model, cost_context(target.tokenizer, args.context), repeat=args.repeats)
     return costs, {"costs_ms": costs.to_profile(), "dtype": cfg.target.dtype,
                        "costs_measured": {"context": args.context, "repeats": args.repeats, "statistic": "median",
                                       "batches": list(GRID_BATCHES), "positions": list(GRID_POSITIONS),

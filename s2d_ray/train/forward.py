@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.stack import decoder_parts
+from ..core.decoder import decoder_parts
 from .data import Packed
 
 

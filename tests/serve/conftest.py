@@ -25,7 +25,7 @@ from helpers import make_tiny_llama, make_tiny_tokenizer  # noqa: E402
 from serve_helpers import API_KEY  # noqa: E402
 from s2d_ray.core.draft import DraftSpec, SortedDraft  # noqa: E402
 from s2d_ray.models.drafts import save_draft  # noqa: E402
-from s2d_ray.core.stack import decoder_parts  # noqa: E402
+from s2d_ray.core.decoder import decoder_parts  # noqa: E402
 
 DEPLOY_TIMEOUT_S = 240
 TINY_VOCAB = 320

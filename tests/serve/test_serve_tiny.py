@@ -247,7 +247,8 @@ def test_bench_pairs_served_runs_with_its_in_process_twin(tiny_app, refs):
     """`s2d bench serve --twin`: the router's engine for the target, built in the bench's process from the app's own
     config, decodes exactly what the server does (fp64 greedy = target-only greedy, alone and batched), and each
     pair runs the served level and the twin on the same requests, the order alternating."""
-    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import serve_markdown
     from s2d_ray.bench.twin import build_twin, run_twin_level
     from s2d_ray.errors import ConfigError
     from s2d_ray.serve.app_config import AppConfig

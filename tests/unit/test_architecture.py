@@ -1,5 +1,6 @@
-"""The import graph of the package, read statically (ast): the core is plain torch, nothing imports upward, and no
-modules import each other in a cycle.
+"""The import graph of the package, read statically (ast): the core is plain torch with no host machinery, nothing
+imports upward, no modules import each other in a cycle (imports inside functions included), and engines, verifiers
+and drafters are constructed in build.py alone.
 
 Layers, lowest first; an import may point only to a lower layer or inside its own part:
   0 core/   1 errors.py, hardware.py   2 kernels/   3 config.py, prompts.py, models/, gc_pauses.py, structured/   4 build.py
@@ -182,3 +183,77 @@ def test_the_graph_reader_resolves_relative_and_submodule_imports(tmp_path):
     leaf = _imports_of("pkg.sub.leaf", pkg / "sub" / "leaf.py", known)
     assert [(i.target, i.module_level) for i in leaf] == [("torch", True), ("pkg.top", False)]
     assert cycles({"a": {"b"}, "b": {"a", "c"}, "c": set()}) == [["a", "b"]]
+
+
+def import_cycles(imports: list[Import]) -> list[str]:
+    """Every cycle among package modules, imports inside functions included, with the lines that close it."""
+    edges: dict[str, set[str]] = {}
+    for imp in imports:
+        if part(imp.target) is not None and imp.source != imp.target:
+            edges.setdefault(imp.source, set()).add(imp.target)
+    found = []
+    for component in cycles(edges):
+        members = set(component)
+        inside = sorted({f"{i.source}:{i.line} -> {i.target}{'' if i.module_level else ' (in a function)'}"
+                         for i in imports if i.source in members and i.target in members})
+        found.append(" <-> ".join(component) + "\n    " + "\n    ".join(inside))
+    return found
+
+
+def test_no_import_cycle_even_through_function_level_imports():
+    bad = import_cycles(graph())
+    assert not bad, "import cycles (a function-level import hides one from the module-level check):\n" + "\n".join(bad)
+
+
+def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path):
+    """Negative control: a module that imports its importer inside a function is a cycle."""
+    pkg = tmp_path / PACKAGE / "serve"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import g\n")
+    known = {f"{PACKAGE}.serve", f"{PACKAGE}.serve.a", f"{PACKAGE}.serve.b"}
+    imports = [*_imports_of(f"{PACKAGE}.serve.a", pkg / "a.py", known),
+               *_imports_of(f"{PACKAGE}.serve.b", pkg / "b.py", known)]
+    assert any(not i.module_level and i.target == f"{PACKAGE}.serve.a" for i in imports)
+    assert len(import_cycles(imports)) == 1
+    assert import_cycles([i for i in imports if i.module_level]) == []  # what the module-level check alone sees
+
+
+# The classes an engine is made of: constructed in build.py's builders only (core/ defines them).
+BUILT_ONLY_IN_BUILD = {"SpecEngine", "TargetVerifier", "SortedDrafter"}
+
+
+def constructions(source: str) -> list[tuple[int, str]]:
+    """(line, class) for every call of a BUILT_ONLY_IN_BUILD class in Python `source`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            if name in BUILT_ONLY_IN_BUILD:
+                out.append((node.lineno, name))
+    return out
+
+
+def test_only_build_constructs_engines_verifiers_and_drafters():
+    bad = [f"{path.relative_to(ROOT.parent)}:{line}: {name}(...)"
+           for name_, path in modules().items() if part(name_) not in ("core",) and name_ != f"{PACKAGE}.build"
+           for line, name in constructions(path.read_text())]
+    assert not bad, "construct these through build.py (build_verifier, build_drafter, make_engine, ...):\n" + \
+        "\n".join(bad)
+
+
+def test_the_construction_check_sees_direct_and_qualified_calls():
+    found = constructions("from x import TargetVerifier\nv = TargetVerifier(m)\ne = core.engine.SpecEngine(v)\n")
+    assert found == [(2, "TargetVerifier"), (3, "SpecEngine")]
+    assert constructions("v = build_verifier(m)\n") == []
+
+
+# What stays out of the algorithm: thread counts, the machine's counters and CPU-count heuristics are a backend's.
+HOST_MACHINERY = ("set_num_threads", "get_num_threads", "/proc/", "cpu_count", "sched_getaffinity")
+
+
+def test_core_holds_no_host_machinery():
+    bad = [f"{path.relative_to(ROOT.parent)}: {word}" for name, path in modules().items() if part(name) == "core"
+           for word in HOST_MACHINERY if word in path.read_text()]
+    assert not bad, "host machinery belongs to a backend in kernels/:\n" + "\n".join(bad)

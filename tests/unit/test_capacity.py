@@ -12,7 +12,7 @@ from s2d_ray.errors import ConfigError
 from s2d_ray.models.capacity import GIB, ModelShape, kv_capacity
 from s2d_ray.serve import AppConfig
 from s2d_ray.serve.app_config import TargetSpec
-from s2d_ray.serve.target_deployment import sized_rows
+from s2d_ray.serve.replica import sized_rows
 
 LLAMA_7B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 4096,
             "intermediate_size": 11008, "vocab_size": 32000, "tie_word_embeddings": False,

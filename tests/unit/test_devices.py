@@ -18,7 +18,7 @@ from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.kernels import STOCK
 from s2d_ray.core.lookup import PromptLookup, TreeDrafter
 from s2d_ray.core.policy import FixedK, HeuristicK
-from s2d_ray.core.stack import decoder_parts
+from s2d_ray.core.decoder import decoder_parts
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import SamplingParams
 from s2d_ray.kernels import CpuKernels

@@ -15,7 +15,7 @@ from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.frontier import DraftTree, tree_grid
 from s2d_ray.core.lookup import PromptLookup, TreeDrafter
 from s2d_ray.core.policy import FixedK
-from s2d_ray.core.stack import PendingTree
+from s2d_ray.core.rows import PendingTree
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import DraftRequest, SamplingParams
 from test_engine_exact import reference_greedy, run

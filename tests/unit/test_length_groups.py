@@ -11,7 +11,7 @@ from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.lookup import PromptLookup, TreeDrafter
 from s2d_ray.core.policy import FixedK
-from s2d_ray.core.stack import length_groups
+from s2d_ray.core.rows import length_groups
 from s2d_ray.core.target import TargetVerifier
 from test_engine_exact import reference_greedy
 

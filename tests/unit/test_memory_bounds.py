@@ -9,7 +9,7 @@ import torch
 from core_fixtures import noisy_draft, random_prompts, tiny_target
 from s2d_ray.core.cache import HiddenStore, SlotKVCache
 from s2d_ray.core.draft import SortedDrafter
-from s2d_ray.core.stack import limit_rows
+from s2d_ray.core.rows import limit_rows
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import DraftRequest, SamplingParams, ScoreRequest
 from s2d_ray.errors import CapacityError

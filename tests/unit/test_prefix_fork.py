@@ -9,7 +9,7 @@ from core_fixtures import noisy_draft, tiny_target
 from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.policy import FixedK
-from s2d_ray.core.stack import FREE_WIDTH
+from s2d_ray.core.rows import FREE_WIDTH
 from s2d_ray.core.target import TargetVerifier, fork_order
 from s2d_ray.core.types import SamplingParams, ScoreRequest
 from test_trees import tree_engine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from s2d_ray.core.threads import AdaptiveThreads, size_bucket
+from s2d_ray.kernels.threads import AdaptiveThreads, size_bucket
 
 
 def drive(governor: AdaptiveThreads, costs: list[dict[int, float]], key="k", most: int = 2) -> list[int]:

@@ -1,8 +1,10 @@
-"""Intra-op threads per pass: a wide pass (a prompt, a token tree, a big batch) takes more cores than a one-row step.
+"""The CPU backend's thread policy: how many intra-op threads each pass of a layer stack runs on.
 
-A replica that shares the machine's cores with the draft, the router and the other replicas runs narrow steps on one
-thread; a wide pass is a few larger matmuls that a second core speeds up, and it does not overlap the same router's
-draft forward: a round drafts, then verifies."""
+A wide pass (a prompt, a token tree, a big batch) takes more cores than a one-row step: a replica that shares the
+machine's cores with the draft, the router and the other replicas runs narrow steps on one thread; a wide pass is a
+few larger matmuls that a second core speeds up, and it does not overlap the same router's draft forward: a round
+drafts, then verifies. Beside a CPU-bound neighbour fewer threads can be faster than all (`AdaptiveThreads`).
+The core asks through `core/kernels.py`'s `PassRunner` contract; `CpuPasses` and `FixedPasses` answer it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -168,3 +171,36 @@ class AdaptiveThreads:
 def size_bucket(positions: int) -> int:
     """Passes over 1, 2, 3-4, 5-8, ... positions share timings: the next power of two."""
     return 1 << max(0, positions - 1).bit_length()
+
+
+@dataclass
+class CpuPasses:
+    """The PassRunner (core/kernels.py) of one CPU stack: a segment's wide passes on `wide_threads`, narrow ones and
+    the LM head on the thread's own count, or each pass kind (kind and size bucket) on the count `governor` measured
+    fastest for it. One per stack."""
+
+    wide_threads: int | None = None
+    governor: AdaptiveThreads | None = None
+
+    def run(self, kind: Hashable, positions: int) -> contextlib.AbstractContextManager:
+        most = None if kind == "head" else pass_threads(self.wide_threads, positions)
+        if self.governor is None:
+            return intra_op_threads(most)
+        return self.governor.run((kind, size_bucket(positions)), most)
+
+    def chosen(self) -> dict[str, int]:
+        return self.governor.chosen() if self.governor is not None else {}
+
+
+@dataclass
+class FixedPasses:
+    """Every pass on exactly `threads` intra-op threads, whatever its width: a GEMM's reduction split can follow the
+    thread count, so the deterministic backend keeps it the same for a decode step and a wide pass."""
+
+    threads: int
+
+    def run(self, kind: Hashable, positions: int) -> contextlib.AbstractContextManager:
+        return intra_op_threads(self.threads)
+
+    def chosen(self) -> dict[str, int]:
+        return {f"threads_{self.threads}": 1}

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Regenerate every CPU figure of the README's table at ONE commit, one benchmark at a time (nothing else may run on
+# the machine meanwhile: each figure is a ratio measured side by side, and a neighbour moves it).
+#
+#   S2D_DATA_DIR=/path/to/data scripts/readme_figures.sh [section ...]
+#
+# Sections, in the README's order: spec-bench floor served prefix mt-bench held-out structured deterministic
+# plan-check (default: all). Records go to bench_results/<benchmark>/ as BENCHMARKS.md names them; the commit and the
+# machine are printed at the start and written to bench_results/README-figures.json. GPU rows are not produced here
+# (scripts/gpu_check.sh on a GPU machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${S2D_DATA_DIR:?set S2D_DATA_DIR to the data directory (spec_bench/, fastchat/mt_bench/)}"
+S2D=${S2D:-.venv/bin/s2d}
+SERVE=${SERVE:-.venv/bin/serve}
+URL=http://127.0.0.1:8000
+sections=${*:-spec-bench floor served prefix mt-bench held-out structured deterministic plan-check}
+commit=$(git rev-parse --short HEAD)
+if ! git diff --quiet HEAD -- s2d_ray deployments; then
+  echo "the working tree differs from $commit: commit first, so every figure names one commit" >&2
+  exit 2
+fi
+echo "{\"commit\": \"$commit\", \"date\": \"$(date -u +%F)\", \"sections\": \"$sections\"}" \
+  > bench_results/README-figures.json
+echo "figures at $commit: $sections" >&2
+
+# Serve deployments/local.yaml with extra `args:` (a JSON object merged in), wait until it runs, run "$@", stop it.
+with_app() {
+  local overrides=$1; shift
+  local config
+  config=$(mktemp --suffix=.yaml)
+  .venv/bin/python - "$overrides" "$config" <<'EOF'
+import json, sys, yaml
+cfg = yaml.safe_load(open("deployments/local.yaml"))
+for app in cfg["applications"]:
+    app.setdefault("args", {}).update(json.loads(sys.argv[1]))
+yaml.safe_dump(cfg, open(sys.argv[2], "w"))
+EOF
+  "$SERVE" run "$config" > "bench_results/.serve.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 180); do
+    curl -sf "$URL/health" > /dev/null 2>&1 && break
+    sleep 5
+  done
+  "$@" || { kill "$pid"; wait "$pid" || true; rm -f "$config"; return 1; }
+  kill "$pid"; wait "$pid" || true
+  .venv/bin/ray stop --force > /dev/null 2>&1 || true
+  rm -f "$config"
+}
+
+for section in $sections; do
+  echo "== $section" >&2
+  case $section in
+    spec-bench)  # §1: both targets side by side, one core each
+      for t in smollm2-135m-instruct smollm2-135m-gsm8k; do
+        taskset -c "$([ $t = smollm2-135m-instruct ] && echo 0 || echo 1)" "$S2D" bench spec --target $t \
+          --dtype auto --threads 1 --per-category 2 --max-new-tokens 128 \
+          --methods hf-generate,hf-generate:float32,ar,hf-prompt-lookup,lookup,s2d \
+          --questions "$S2D_DATA_DIR/spec_bench/question.jsonl" --no-progress --out bench_results/spec-bench/$t &
+      done; wait ;;
+    floor)  # §10: held-out chats, all cores, alone and beside a busy core
+      "$S2D" bench spec --target smollm2-135m-instruct --questions data/draftq/heldout/smollm2-135m-instruct.jsonl \
+        --per-category 6 --max-new-tokens 96 --methods hf-generate,hf-generate:float32,ar,hf-prompt-lookup,s2d \
+        --busy-neighbour --no-progress --out bench_results/floor ;;
+    served)  # §3: S2D against plain decoding in one app, by concurrency
+      with_app '{}' "$S2D" bench serve --url $URL --model smollm2-135m-instruct --concurrency 1,2,4,8,16,32,64 \
+        --requests 64 --max-seconds 50 --max-tokens 48 --compare-plain \
+        --questions "$S2D_DATA_DIR/spec_bench/question.jsonl" --out bench_results/served-sweep ;;
+    prefix)  # §9: shared prompt and repeated chats, with and without the prefix cache
+      for variant in cache nocache; do
+        overrides='{}'; [ $variant = nocache ] && overrides='{"prefix_cache": {"enabled": false}}'
+        with_app "$overrides" bash -c "
+          '$S2D' bench serve --url $URL --model smollm2-135m-instruct --workload shared-prefix --concurrency 1,8 \
+            --requests 24 --max-tokens 64 --max-seconds 120 --temperature 0 \
+            --out bench_results/prefix-cache/$variant-shared-prefix &&
+          '$S2D' bench serve --url $URL --model smollm2-135m-instruct --workload repeated --concurrency 1,8 \
+            --requests 96 --max-tokens 64 --max-seconds 120 --temperature 0 \
+            --out bench_results/prefix-cache/$variant-repeated"
+      done ;;
+    mt-bench)  # §9: turn-2 time to first token
+      for variant in cache nocache; do
+        overrides='{}'; [ $variant = nocache ] && overrides='{"prefix_cache": {"enabled": false}}'
+        with_app "$overrides" "$S2D" bench serve --url $URL --model smollm2-135m-instruct --workload mt-bench \
+          --concurrency 1,8 --requests 16 --max-tokens 64 --max-seconds 240 --out bench_results/mt-bench/$variant
+      done ;;
+    held-out)  # §2: the draft's agreement along the targets' greedy paths, modelled speed
+      for t in smollm2-135m-instruct smollm2-135m-gsm8k; do
+        "$S2D" calibrate --target $t --draft smollm2-135m-s2d --paths data/draftq/heldout/$t.jsonl --dtype bfloat16 \
+          --calibration off --costs-from s2d_ray/assets/drafts/smollm2-135m-s2d/calibration/$t.bfloat16.json \
+          --threads 1 --out bench_results/held-out/calibration/$t.bfloat16.json
+      done ;;
+    structured)  # §8: JSON under a schema
+      "$S2D" bench structured --max-new-tokens 256 --threads 1 --out bench_results/structured/bfloat16.json
+      "$S2D" bench structured --max-new-tokens 256 --threads 1 --dtype float32 \
+        --out bench_results/structured/float32.json ;;
+    deterministic)  # §11
+      scripts/deterministic_check.sh bench_results/deterministic 128 2 ;;
+    plan-check)  # §7: the fleet model against the engine
+      "$S2D" bench plan-check --out bench_results/plan-check/cpu ;;
+    *) echo "unknown section $section" >&2; exit 2 ;;
+  esac
+done
+echo "done at $commit; update README.md's table and BENCHMARKS.md from bench_results/" >&2
