@@ -38,7 +38,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.plot:
         from .plot import plot_fleet
 
-        plot_fleet(args.config, device(args.device), args.plot)
+        # the plan's own agreement beside an assumed better draft's, so the plot draws what the table says
+        plot_fleet(args.config, device(args.device), args.plot, agrees=(round(result["agree"], 2), 0.7))
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
         return 0

@@ -9,7 +9,7 @@ from .model import Replica
 from .plan import draft_shape_of, model_shape, plan, read_app_config
 
 
-def plot_fleet(config: Path, dev: Device, out: Path, agrees: tuple[float, ...] = (0.43, 0.7),
+def plot_fleet(config: Path, dev: Device, out: Path, agrees: tuple[float, ...] = (0.51, 0.7),
                rates: tuple[float, ...] = (0.5, 1, 2, 4, 8, 16, 32)) -> None:
     import matplotlib
 
