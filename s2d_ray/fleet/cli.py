@@ -22,6 +22,9 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=512, help="tokens of KV per sequence")
     p.add_argument("--json", action="store_true", help="print the whole model as JSON")
     p.add_argument("--plot", type=Path, default=None, help="also write a PNG (tok/s per GPU by batch, GPUs by rate)")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="a `ray up` cluster config (cluster.yaml): check first that every deployment fits one of its "
+                        "node types and that max_workers holds every max_replicas (a mismatch exits 2)")
     p.set_defaults(func=run_plan)
 
 
@@ -34,16 +37,33 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--agree must be in [0, 1)")
     if not args.config.is_file():
         raise ValueError(f"{args.config} does not exist")
+    fit = cluster_fit(args.config, args.cluster) if args.cluster else None
     result = plan(args.config, device(args.device), args.rate, args.tokens, args.agree, args.profile, args.context)
     if args.plot:
         from .plot import plot_fleet
 
         plot_fleet(args.config, device(args.device), args.plot)
     if args.json:
+        if fit is not None:
+            result["cluster_fit"] = {"cluster": str(args.cluster), **fit[0].as_dict()}
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
         return 0
+    if fit is not None:
+        sys.stdout.write(f"{args.config} fits {args.cluster}:\n\n" + fit[1] + "\n")
     sys.stdout.write(plan_markdown(result))
     return 0
+
+
+def cluster_fit(config: Path, cluster_path: Path):
+    """The fit check's report and its table; a mismatch raises ClusterFitError (a ValueError: one line, exit 2)."""
+    from .cluster import check_fit, fit_markdown, read_cluster
+    from .plan import read_app_config
+
+    if not cluster_path.is_file():
+        raise ValueError(f"{cluster_path} does not exist")
+    cluster = read_cluster(cluster_path)
+    report = check_fit(read_app_config(config), cluster)
+    return report, fit_markdown(report, cluster)
 
 
 def plan_markdown(r: dict) -> str:
