@@ -32,6 +32,7 @@ def register(sub) -> None:
     _register_serve(bench)
     _register_draft_capacity(bench)
     _register_gpu(bench)
+    _register_cluster(bench)
     register_structured(bench)
 
 
@@ -401,3 +402,37 @@ def run_gpu_profile(args: argparse.Namespace) -> int:
 
     sys.stdout.write(summary(run(args.out or _default_out("gpu-profile"), args.tiny, args.compile)))
     return 0
+
+
+# --- autoscale, cross-node -------------------------------------------------------------------------------------------
+def _register_cluster(bench) -> None:
+    p = bench.add_parser("autoscale", help="Ray's autoscaler on this machine with node types derived from "
+                         "cluster.yaml: Serve scales a target under load, nodes come and go; times recorded")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/autoscale-<time>)")
+    p.add_argument("--cluster", type=Path, default=Path("cluster.yaml"), help="the `ray up` cluster config")
+    p.add_argument("--node-type", default="gpu_small", help="worker node type the target's replicas ask for")
+    p.add_argument("--max-devices", type=int, default=1,
+                   help="custom resources per derived node at most (1: every replica of the target needs a node)")
+    p.add_argument("--idle-timeout-s", type=float, default=5.0, help="the autoscaler's idle timeout on this machine")
+    p.add_argument("--concurrency", type=int, default=4, help="client threads during the load")
+    p.add_argument("--phase-timeout-s", type=float, default=120.0, help="bound on each wait (node up, replica, ...)")
+    p.set_defaults(func=run_autoscale)
+
+
+def run_autoscale(args: argparse.Namespace) -> int:
+    from .autoscale import AutoscaleRun, markdown, run
+
+    if not args.cluster.is_file():
+        raise ConfigError(f"--cluster {args.cluster} does not exist")
+    if args.max_devices < 1 or args.concurrency < 1 or args.idle_timeout_s <= 0 or args.phase_timeout_s <= 0:
+        raise ConfigError("--max-devices, --concurrency, --idle-timeout-s and --phase-timeout-s must be positive")
+    out = args.out or _default_out("autoscale")
+    try:
+        result = run(AutoscaleRun(out=out, cluster=args.cluster, node_type=args.node_type,
+                                  max_devices=args.max_devices, idle_timeout_s=args.idle_timeout_s,
+                                  concurrency=args.concurrency, phase_timeout_s=args.phase_timeout_s))
+    except TimeoutError as exc:  # a step that did not happen in time: the run measured nothing
+        sys.stderr.write(f"s2d: error: {exc}\n")
+        return 1
+    sys.stdout.write(markdown(result))
+    return 1 if result["requests"]["failed"] else 0
