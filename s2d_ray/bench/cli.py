@@ -417,6 +417,14 @@ def _register_cluster(bench) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="client threads during the load")
     p.add_argument("--phase-timeout-s", type=float, default=120.0, help="bound on each wait (node up, replica, ...)")
     p.set_defaults(func=run_autoscale)
+    p = bench.add_parser("cross-node", help="a speculative round's cost with the draft and the target on other nodes "
+                         "than the router against all on one node (three raylets on this machine)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/cross-node-<time>)")
+    p.add_argument("--reps", type=int, default=5, help="alternations between the two placements")
+    p.add_argument("--requests", type=int, default=4, help="single-stream requests per rep and placement")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (fixed policy)")
+    p.set_defaults(func=run_cross_node)
 
 
 def run_autoscale(args: argparse.Namespace) -> int:
@@ -436,3 +444,14 @@ def run_autoscale(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write(markdown(result))
     return 1 if result["requests"]["failed"] else 0
+
+
+def run_cross_node(args: argparse.Namespace) -> int:
+    from .cross_node import CrossNodeRun, markdown, run
+
+    if min(args.reps, args.requests, args.max_tokens, args.k) < 1:
+        raise ConfigError("--reps, --requests, --max-tokens and --k must be positive")
+    result = run(CrossNodeRun(out=args.out or _default_out("cross-node"), reps=args.reps, requests=args.requests,
+                              max_tokens=args.max_tokens, k=args.k))
+    sys.stdout.write(markdown(result))
+    return 0
