@@ -24,10 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from .gpu_serve import TINY_CONFIG  # the same small random target as the dry runs
 
 APP, TARGET = "autoscale", "tiny-random"
-TINY_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-               "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 1024}
 # Serve's replicas and handles report their load every 10 s by default; 1 s keeps a run short. What is timed here
 # starts once Serve has decided (the replica is requested), so this does not shorten any recorded interval.
 SERVE_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
@@ -140,7 +139,7 @@ def run(cfg: AutoscaleRun) -> dict:
     for k, v in SERVE_ENV.items():
         os.environ.setdefault(k, v)
     from ..fleet.cluster import read_cluster
-    from ..fleet.local_autoscaler import LocalAutoscalingCluster, node_types_alive, wait_for
+    from ..fleet.local_autoscaler import LocalAutoscalingCluster, free_port, node_types_alive, wait_for
     from ..hardware import machine_info
     from ..models.random_init import write_random_model
     from .gpu_serve import deploy
@@ -164,7 +163,7 @@ def run(cfg: AutoscaleRun) -> dict:
         baseline = wait_for(lambda: node_types_alive() if sum(node_types_alive().values()) >= sum(
             t.min_workers for t in cluster.workers) else None, cfg.phase_timeout_s, "the min_workers nodes")
         mark("min_workers_up")
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         deploy(app_args(target_dir, resource), APP)
         mark("app_running")
@@ -212,13 +211,6 @@ def run(cfg: AutoscaleRun) -> dict:
     (cfg.out / "autoscale.json").write_text(json.dumps(result, indent=1, default=str))
     return result
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def markdown(result: dict) -> str:

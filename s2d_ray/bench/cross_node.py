@@ -20,11 +20,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .gpu_serve import TINY_CONFIG  # the same small random target as the dry runs
 from .server_clocks import timing_delta
 
 TARGET = "tiny-random"
-TINY_CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
-               "num_hidden_layers": 4, "vocab_size": 512, "max_position_embeddings": 1024}
 NODES = {"head": "s2d_node_head", "draft": "s2d_node_draft", "target": "s2d_node_target"}
 PLACEMENTS = {"one-node": {"router": "head", "draft": "head", "target": "head"},
               "cross-node": {"router": "head", "draft": "draft", "target": "target"}}
@@ -87,6 +86,7 @@ def stream(url: str, prompt: str, max_tokens: int) -> int:
 
 def run(cfg: CrossNodeRun) -> dict:
     """Both apps on one cluster, alternating; results written to cfg.out/cross_node.json."""
+    from ..fleet.local_autoscaler import free_port
     from ..hardware import machine_info
     from ..models.random_init import write_random_model
     from .gpu_serve import deploy, prompts
@@ -97,7 +97,7 @@ def run(cfg: CrossNodeRun) -> dict:
     try:
         from ray import serve
 
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         urls = {}
         for name, placement in PLACEMENTS.items():
@@ -148,13 +148,6 @@ def summarize(samples: list[dict]) -> dict:
         out[role]["calls"] = sum(r["calls"] for r in rows)
     return out
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def markdown(result: dict) -> str:

@@ -32,7 +32,7 @@ OBJECT_STORE_BYTES = 80 * 1024 ** 2  # per node; Ray's minimum is 75 MiB
 def local_resources(node: NodeType, cpu_scale: float, max_devices: int | None) -> dict[str, int]:
     """One node type's resources on this host: custom resources kept (capped at `max_devices`), GPUs dropped,
     CPUs scaled by `cpu_scale` (at least 1; the autoscaler's schema takes whole numbers)."""
-    out = {"CPU": max(1, int(round(node.resources.get("CPU", 1) * cpu_scale)))}
+    out = {"CPU": max(1, round(node.resources.get("CPU", 1) * cpu_scale))}
     for k, v in node.resources.items():
         if k in ("CPU", "GPU") or v <= 0:
             continue
@@ -77,7 +77,8 @@ def autoscaler_config(cluster: ClusterSpec, gcs_address: str, head_resources: di
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -105,7 +106,7 @@ class LocalAutoscalingCluster:
         if ray_constants.ENABLE_RAY_CLUSTER:
             raise RuntimeError(f"set {LOOPBACK_ENV}=0 before ray is imported: the nodes must bind 127.0.0.1")
 
-        port = _free_port()
+        port = free_port()
         self.address = f"127.0.0.1:{port}"
         config = autoscaler_config(self.cluster, self.address, self.head_resources, self.worker_types,
                                    self.idle_timeout_s)
@@ -121,7 +122,7 @@ class LocalAutoscalingCluster:
             "gcs_server_port": port, "node_ip_address": "127.0.0.1", "num_cpus": head.pop("CPU"), "resources": head,
             "object_store_memory": OBJECT_STORE_BYTES, "autoscaling_config": path,
             # The dashboard serves Ray's state API (which node each actor runs on).
-            "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port()})
+            "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()})
         return self
 
     def __enter__(self) -> "LocalAutoscalingCluster":
@@ -198,5 +199,5 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
         time.sleep(interval_s)
 
 
-__all__ = ["LocalAutoscalingCluster", "autoscaler_config", "local_node_types", "local_resources", "node_types_alive",
-           "wait_for", "NODE_TYPE_LABEL"]
+__all__ = ["NODE_TYPE_LABEL", "LocalAutoscalingCluster", "autoscaler_config", "free_port", "local_node_types",
+           "local_resources", "node_types_alive", "wait_for"]
