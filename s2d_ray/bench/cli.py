@@ -454,4 +454,4 @@ def run_cross_node(args: argparse.Namespace) -> int:
     result = run(CrossNodeRun(out=args.out or _default_out("cross-node"), reps=args.reps, requests=args.requests,
                               max_tokens=args.max_tokens, k=args.k))
     sys.stdout.write(markdown(result))
-    return 0
+    return 0 if result["equal_outputs"] else 1
