@@ -43,7 +43,6 @@ class AutoscaleRun:
     concurrency: int = 4
     max_tokens: int = 24
     phase_timeout_s: float = 120.0
-    deploy_timeout_s: float = 180.0
 
 
 @dataclass

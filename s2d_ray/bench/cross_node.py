@@ -37,7 +37,6 @@ class CrossNodeRun:
     requests: int = 4  # per rep and app, one at a time
     max_tokens: int = 32
     k: int = 4
-    deploy_timeout_s: float = 240.0
 
 
 def app_args(target_dir: Path, placement: dict[str, str], k: int) -> dict:
