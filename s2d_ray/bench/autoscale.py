@@ -152,13 +152,13 @@ def run(cfg: AutoscaleRun) -> dict:
     target_dir = write_random_model(cfg.out / "models" / TARGET, TINY_CONFIG)
     local = LocalAutoscalingCluster(cluster, max_devices=cfg.max_devices, idle_timeout_s=cfg.idle_timeout_s)
     events: dict[str, float] = {}
+    t0 = time.monotonic()  # events count from the cluster's start: min_workers_up is the head and its first nodes
+    mark = lambda name: events.setdefault(name, round(time.monotonic() - t0, 2))  # noqa: E731
     with local:
         import ray
         from ray import serve
 
         ray.init(address=local.address, log_to_driver=False)
-        t0 = time.monotonic()
-        mark = lambda name: events.setdefault(name, round(time.monotonic() - t0, 2))  # noqa: E731
         baseline = wait_for(lambda: node_types_alive() if sum(node_types_alive().values()) >= sum(
             t.min_workers for t in cluster.workers) else None, cfg.phase_timeout_s, "the min_workers nodes")
         mark("min_workers_up")
