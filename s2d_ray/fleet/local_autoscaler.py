@@ -168,11 +168,13 @@ class LocalAutoscalingCluster:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        if self._ray_cluster is not None:
-            self._ray_cluster.shutdown()
-            self._ray_cluster = None
-        if self._config_path is not None:
-            self._config_path.unlink(missing_ok=True)
+        try:
+            if self._ray_cluster is not None:
+                self._ray_cluster.shutdown()
+                self._ray_cluster = None
+        finally:
+            if self._config_path is not None:
+                self._config_path.unlink(missing_ok=True)
 
 
 def node_types_alive() -> dict[str, int]:
