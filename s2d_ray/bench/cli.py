@@ -32,6 +32,7 @@ def register(sub) -> None:
     _register_serve(bench)
     _register_draft_capacity(bench)
     _register_gpu(bench)
+    _register_cluster(bench)
     register_structured(bench)
 
 
@@ -402,3 +403,56 @@ def run_gpu_profile(args: argparse.Namespace) -> int:
 
     sys.stdout.write(summary(run(args.out or _default_out("gpu-profile"), args.tiny, args.compile)))
     return 0
+
+
+# --- autoscale, cross-node -------------------------------------------------------------------------------------------
+def _register_cluster(bench) -> None:
+    p = bench.add_parser("autoscale", help="Ray's autoscaler on this machine with node types derived from "
+                         "cluster.yaml: Serve scales a target under load, nodes come and go; times recorded")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/autoscale-<time>)")
+    p.add_argument("--cluster", type=Path, default=Path("cluster.yaml"), help="the `ray up` cluster config")
+    p.add_argument("--node-type", default="gpu_small", help="worker node type the target's replicas ask for")
+    p.add_argument("--max-devices", type=int, default=1,
+                   help="custom resources per derived node at most (1: every replica of the target needs a node)")
+    p.add_argument("--idle-timeout-s", type=float, default=5.0, help="the autoscaler's idle timeout on this machine")
+    p.add_argument("--concurrency", type=int, default=4, help="client threads during the load")
+    p.add_argument("--phase-timeout-s", type=float, default=120.0, help="bound on each wait (node up, replica, ...)")
+    p.set_defaults(func=run_autoscale)
+    p = bench.add_parser("cross-node", help="a speculative round's cost with the draft and the target on other nodes "
+                         "than the router against all on one node (three raylets on this machine)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/cross-node-<time>)")
+    p.add_argument("--reps", type=int, default=5, help="alternations between the two placements")
+    p.add_argument("--requests", type=int, default=4, help="single-stream requests per rep and placement")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (fixed policy)")
+    p.set_defaults(func=run_cross_node)
+
+
+def run_autoscale(args: argparse.Namespace) -> int:
+    from .autoscale import AutoscaleRun, markdown, run
+
+    if not args.cluster.is_file():
+        raise ConfigError(f"--cluster {args.cluster} does not exist")
+    if args.max_devices < 1 or args.concurrency < 1 or args.idle_timeout_s <= 0 or args.phase_timeout_s <= 0:
+        raise ConfigError("--max-devices, --concurrency, --idle-timeout-s and --phase-timeout-s must be positive")
+    out = args.out or _default_out("autoscale")
+    try:
+        result = run(AutoscaleRun(out=out, cluster=args.cluster, node_type=args.node_type,
+                                  max_devices=args.max_devices, idle_timeout_s=args.idle_timeout_s,
+                                  concurrency=args.concurrency, phase_timeout_s=args.phase_timeout_s))
+    except TimeoutError as exc:  # a step that did not happen in time: the run measured nothing
+        sys.stderr.write(f"s2d: error: {exc}\n")
+        return 1
+    sys.stdout.write(markdown(result))
+    return 1 if result["requests"]["failed"] else 0
+
+
+def run_cross_node(args: argparse.Namespace) -> int:
+    from .cross_node import CrossNodeRun, markdown, run
+
+    if min(args.reps, args.requests, args.max_tokens, args.k) < 1:
+        raise ConfigError("--reps, --requests, --max-tokens and --k must be positive")
+    result = run(CrossNodeRun(out=args.out or _default_out("cross-node"), reps=args.reps, requests=args.requests,
+                              max_tokens=args.max_tokens, k=args.k))
+    sys.stdout.write(markdown(result))
+    return 0 if result["equal_outputs"] else 1

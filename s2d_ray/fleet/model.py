@@ -8,6 +8,10 @@ token per row, and every further token adds its FLOPs at the marginal rate. A ro
 target forward plus, with speculation, k draft depths (each one draft forward over B rows x 1 position), plus the
 engine's round overhead; it emits B x MAT tokens, where MAT(k) = (1 - a^(k+1)) / (1 - a) for a per-token
 agreement a (accepted drafts are a run of agreements, plus the target's own bonus token).
+
+A stream's wall time per round adds, to the round, the price of the round's deployment calls crossing from the
+router's node to the draft's and the target's (`cross_node_ms` per call): latency, not GPU time, since a replica
+verifies other routers' rounds while one call is in transit.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from .hardware import Device
 from .shapes import ModelShape
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+# The extra wall time of one deployment call whose replica is on another node than the router, against the same
+# call on the router's node: `s2d bench cross-node` (three raylets over loopback, so a floor for a real network;
+# BENCHMARKS.md, "Cross-node rounds"). `s2d plan --cross-node-ms` overrides it.
+CROSS_NODE_MS = 4.0
 
 
 def forward_ms(shape: ModelShape, dev: Device, rows: int, positions: int, context: int, dtype_bytes: int = 2,
@@ -57,6 +65,7 @@ class Replica:
     agree: float = 0.0
     context: int = 512
     dtype_bytes: int = 2
+    cross_node_ms: float = CROSS_NODE_MS  # per deployment call the router makes to another node
 
     def verify_ms(self, batch: int, positions: int) -> float:
         return forward_ms(self.target.shard(self.tp), self.dev, batch, positions, self.context, self.dtype_bytes)
@@ -81,6 +90,14 @@ class Replica:
         spec = 0.0 if k == 0 else dev.spec_round_overhead_ms + extra_rows * dev.spec_row_overhead_ms
         return drafting + self.verify_ms(batch, k + 1) + dev.round_overhead_ms + extra_rows * dev.round_row_overhead_ms \
             + spec
+
+    def calls_per_round(self, k: int, draft_elsewhere: bool = False) -> int:
+        """Deployment calls a round makes from the router: the target's verify, and a shared draft's propose."""
+        return 2 if (draft_elsewhere and k > 0) else 1
+
+    def latency_ms(self, batch: int, k: int, draft_elsewhere: bool = False) -> float:
+        """A stream's wall time per round: drafting and verifying in turn, plus every call's crossing of nodes."""
+        return self.round_ms(batch, k) + self.calls_per_round(k, draft_elsewhere) * self.cross_node_ms
 
     def tokens_per_s(self, batch: int, k: int, draft_elsewhere: bool = False) -> float:
         return 1e3 * batch * mat(self.agree, k) / self.round_ms(batch, k, draft_elsewhere)

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from .hardware import Device, device
-from .model import DTYPE_BYTES, Replica, forward_ms, mat
+from .model import CROSS_NODE_MS, DTYPE_BYTES, Replica, forward_ms, mat
 from .shapes import ModelShape, known_shape, shape_of
 
 BATCHES = (1, 2, 4, 8, 16, 32)
@@ -120,13 +120,16 @@ def plan_target(t, rep_none: Replica, rep_draft: Replica, rate: float, tokens: i
         out["fleets"][fleet] = {"k": k, "mat": round(mat(rep.agree, k), 3), "tokens_per_s_per_replica": round(tps, 1),
                                 "tokens_per_s_per_target_gpu": round(tps / rep.tp, 1), "replicas": replicas,
                                 "target_gpus": replicas * rep.tp, "draft_gpu_busy": round(draft_gpu_s, 3),
-                                "latency_ms_per_token": round(rep.round_ms(batch, k) / mat(rep.agree, k), 2)}
+                                "calls_per_round": rep.calls_per_round(k, shared),
+                                "latency_ms_per_token": round(rep.latency_ms(batch, k, shared) / mat(rep.agree, k), 2)}
     return out
 
 
 def plan(config: Path, dev: Device, rate: float, tokens: int | None = None, agree: float | None = None,
-         profile: Path | None = None, context: int = 512, max_k: int = 12) -> dict:
-    """The whole fleet at `rate` requests/s per target, `tokens` output tokens each."""
+         profile: Path | None = None, context: int = 512, max_k: int = 12, cross_node_ms: float = CROSS_NODE_MS,
+         ) -> dict:
+    """The whole fleet at `rate` requests/s per target, `tokens` output tokens each; every deployment call crosses
+    nodes (`cross_node_ms`): the router sits on a CPU node, the draft and the targets on GPU nodes."""
     app = read_app_config(config)
     tokens = tokens or app.limits.default_max_tokens
     dshape, depth = draft_shape_of(app.draft.source, app.draft.exit_layers)
@@ -137,7 +140,8 @@ def plan(config: Path, dev: Device, rate: float, tokens: int | None = None, agre
     targets, per_target_draft_bytes = [], 0
     for t in app.targets:
         shape, tb = model_shape(t.resolved_source), dtype_bytes(t.dtype, dev)
-        common = dict(target=shape, dev=dev, tp=t.tp_size, context=context, dtype_bytes=tb, agree=a)
+        common = dict(target=shape, dev=dev, tp=t.tp_size, context=context, dtype_bytes=tb, agree=a,
+                      cross_node_ms=cross_node_ms)
         rep_none = Replica(**common)
         rep_draft = Replica(**common, draft=dshape.shard(t.tp_size), draft_depth=depth)
         row = plan_target(t, rep_none, rep_draft, rate, tokens, draft_batch, shared_depth_ms, max_k)
@@ -159,7 +163,7 @@ def plan(config: Path, dev: Device, rate: float, tokens: int | None = None, agre
                             draft_weights_gb=round(max(totals["shared"]["draft_gpus"], 1)
                                                    * dshape.weight_bytes(draft_bytes) / 1e9, 2))
     return {"config": str(config), "device": dev.__dict__, "rate_per_target": rate, "tokens_per_request": tokens,
-            "context": context, "agree": a, "agree_source": a_source,
+            "context": context, "agree": a, "agree_source": a_source, "cross_node_ms": cross_node_ms,
             "draft": {"shape": dshape.__dict__, "depth": depth, "max_batch_size": draft_batch,
                       "depth_ms_at_max_batch": round(shared_depth_ms, 3)},
             "targets": targets, "totals": totals}

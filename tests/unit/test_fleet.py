@@ -102,6 +102,27 @@ def test_plan_cli_prints_json_and_rejects_bad_input(capsys):
     assert "--agree must be in [0, 1)" in err and "missing.yaml does not exist" in err
 
 
+def test_cross_node_calls_add_latency_not_gpu_time(capsys):
+    from s2d_ray.fleet.model import CROSS_NODE_MS
+
+    target = SHAPES["llama-2-7b"]
+    rep = Replica(target, Device("h100", 3350, 989, 80), draft=target.with_layers(2), agree=0.6, cross_node_ms=5.0)
+    # A shared draft elsewhere: the router calls it and the target every drafting round; plain rounds call the target.
+    assert rep.latency_ms(8, 4, draft_elsewhere=True) == pytest.approx(rep.round_ms(8, 4) + 2 * 5.0)
+    assert rep.latency_ms(8, 0, draft_elsewhere=True) == pytest.approx(rep.round_ms(8, 0) + 5.0)
+    assert rep.latency_ms(8, 4) == pytest.approx(rep.round_ms(8, 4) + 5.0)  # its own draft: one call
+    near, far = (plan(GPU_YAML, rep.dev, 4.0, agree=0.6, cross_node_ms=ms) for ms in (0.0, 5.0))
+    for a, b in zip(near["targets"], far["targets"]):
+        for fleet in ("none", "per_target", "shared"):
+            fa, fb = a["fleets"][fleet], b["fleets"][fleet]
+            assert (fa["k"], fa["target_gpus"]) == (fb["k"], fb["target_gpus"])  # GPU time unchanged
+            assert fb["latency_ms_per_token"] == pytest.approx(
+                fa["latency_ms_per_token"] + fb["calls_per_round"] * 5.0 / fb["mat"], abs=0.02)
+    assert main(["plan", str(GPU_YAML), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cross_node_ms"] == CROSS_NODE_MS  # the measured default
+    assert main(["plan", str(GPU_YAML), "--cross-node-ms", "-1"]) == 2
+
+
 def test_plan_check_prediction_with_a_measured_mat():
     from s2d_ray.bench.plan_check import predict
 
