@@ -11,8 +11,8 @@ from torch import nn
 from .cache import causal_allowed
 from .kernels import STOCK, Kernels
 from .prefix_cache import PrefixCacheSpec
-from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, decoder_parts,
-                    length_groups, pending_grid)
+from .stack import (FREE_WIDTH, PREFILL_CHUNK, LayerStack, PendingTree, RowState, RowTable, cache_scope,
+                    decoder_parts, length_groups, pending_grid)
 from .threads import AdaptiveThreads
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
@@ -179,14 +179,14 @@ def fork_order(requests: list[ScoreRequest], starts: list[int], min_shared: int 
 
     The wait costs one more forward, so shorter shared prefixes are computed twice instead."""
     first, later = [], []
-    heads: set[tuple[int, ...]] = set()  # first min_shared tokens of the new rows in `first`
+    heads: set[tuple] = set()  # scope and first min_shared tokens of the new rows in `first`
     for i, req in enumerate(requests):
         limit = len(req.tokens) - req.num_logits
-        head = tuple(req.tokens[:min_shared])
+        head = (cache_scope(req.seq_id), *req.tokens[:min_shared])  # rows of other scopes never fork this one
         # Sharing >= min_shared positions (within limit >= min_shared) is having the same first min_shared tokens.
         shares = starts[i] == 0 and limit >= min_shared and head in heads
         (later if shares else first).append(i)
-        if not shares and starts[i] == 0 and len(head) == min_shared:
+        if not shares and starts[i] == 0 and len(head) == min_shared + 1:
             heads.add(head)
     return [first, later] if later else [first]
 

@@ -294,6 +294,20 @@ def router_ceiling(router: "RouterOptions") -> int:
 IN_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
+class TenantsConfig(_Strict):
+    """Tenants of the served app and how far their caches are kept apart (RELIABILITY.md, "Tenants")."""
+
+    keys_file: str | None = Field(
+        None, description="YAML or JSON file of API keys by tenant, as sha256 digests (`keys: [{tenant: team-a, "
+        "sha256: <hex of sha256(key)>, operator: false}, ...]`); default: $S2D_API_KEYS_FILE. Read once when a router "
+        "replica starts. With `api_key` / $S2D_API_KEY too, that key is tenant `default`, an operator.")
+    isolation: Literal["tenant", "shared"] = Field(
+        "tenant", description="`tenant`: each tenant's requests fork prefix-cache KV and draft from earlier outputs "
+        "of that tenant only (a request's `cache_salt` narrows this further). `shared`: every request may use every "
+        "request's cached prefixes and outputs (`cache_salt` still separates): faster for a fleet with one tenant, "
+        "but a client can then tell from response times and metrics what others sent.")
+
+
 class AppConfig(_Strict):
     """Everything `serve run deployments/*.yaml` needs: targets, the shared draft, speculation, limits, access."""
 
@@ -306,8 +320,11 @@ class AppConfig(_Strict):
     limits: Limits = Field(default_factory=Limits, description="Request limits.")
     router: RouterOptions = Field(default_factory=RouterOptions, description="Ingress deployment options.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer key required on HTTP requests; default: $S2D_API_KEY; unset = open."
+        None, description="Bearer key required on HTTP requests (tenant `default`, an operator); default: "
+        "$S2D_API_KEY; unset, and no keys file = open, one tenant."
     )
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig, description="API keys by tenant and how far "
+                                   "their caches are kept apart.")
     cache_dir: str | None = Field(None, description="Where converted models live; default $S2D_CACHE_DIR or ~/.cache.")
     trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
     num_threads: int | None = Field(1, ge=1, description="torch threads in each replica and TP worker.")

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import replace
@@ -25,7 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..build import assemble_engine, draft_base_source, load_profile, set_threads
-from ..errors import ModelNotFoundError, RequestTimeoutError, S2DError
+from ..errors import ModelNotFoundError, RequestTimeoutError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
 from .affinity import Affinity, each_replica
@@ -34,8 +33,7 @@ from .choices import first_items, gather_all, merge
 from .clients import DraftClient, TargetClient
 from .events import Event, coalesced
 from .http_api import (
-    ApiError, api_error, authorize, body_schema, error_response, parse_body, read_body, store_scope,
-    validation_error,
+    ApiError, api_error, body_schema, error_response, parse_body, read_body, validation_error,
 )
 from .loaders import load_tokenizer, model_context
 from .metrics import ServeMetrics, prefix_cache_totals
@@ -46,7 +44,9 @@ from .openai_protocol import (
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id
 from .round_timing import CallTimes
+from .health import ReadinessProbe, serve_status_reader
 from .scheduler import TargetScheduler
+from .tenants import TenantKeys, end_user_scope, scoped_seq_id, store_scope
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,7 @@ class Router:
         gc_pauses()  # this process's collections, loading included
         set_threads(1)
         self.cfg = cfg
-        key = cfg.api_key.get_secret_value() if cfg.api_key else os.environ.get("S2D_API_KEY")
-        self._api_key = key or None
+        self.tenants = TenantKeys.from_config(cfg.api_key, cfg.tenants)  # who may call, and their cache scopes
         self.metrics = ServeMetrics()
         if draft is None and cfg.uses_draft:  # draft.placement: router
             from .draft_deployment import draft_in_router
@@ -115,6 +114,10 @@ class Router:
         self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
         self.replica = replica_id()
+        self.readiness = ReadinessProbe(
+            serve_status_reader(serve.get_replica_context().app_name),
+            {t.name: None if t.placement == "router" else f"target-{t.name}" for t in cfg.targets},  # build_app's names
+            "draft" if cfg.draft_deployment else None)
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
@@ -122,9 +125,10 @@ class Router:
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
-        logger.info("router: targets %s (sequences admitted at once %s), draft %s, auth %s", sorted(self.models),
-                    {n: s.max_running for n, s in self.schedulers.items()},
-                    cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
+        logger.info("router: targets %s (sequences admitted at once %s), draft %s, tenants %s (isolation %s)",
+                    sorted(self.models), {n: s.max_running for n, s in self.schedulers.items()},
+                    cfg.draft.source if cfg.uses_draft else None, self.tenants.names or "none: open",
+                    cfg.tenants.isolation)
 
     def _model_info(self, name: str) -> ModelInfo:
         spec = self.cfg.target(name)
@@ -237,24 +241,46 @@ class Router:
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict:
-        authorize(request, self._api_key)
+        self.tenants.authenticate(request)
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context}
             for m in self.models.values()]}
 
     @app.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 when every target deployment answers within STATS_TIMEOUT_S (a failing draft is reported, not fatal:
-        requests go on target-only); 503 with the failures otherwise."""
+    async def health(self) -> dict:
+        """Liveness: this router replica answers (local: no call to any deployment). Models: /health/ready."""
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness of every model (health.py); 200 while at least one model is ready, so one target reloading
+        does not take the others out of a load balancer."""
+        ready = await self.readiness.check()
+        return JSONResponse(ready.body(), status_code=200 if any(ready.models.values()) else 503)
+
+    @app.get("/health/ready/{model}")
+    async def model_ready(self, model: str) -> JSONResponse:
+        """One model's readiness: 200 or 503 (a load balancer pool per model probes this)."""
+        if model not in self.models:
+            raise ApiError(404, f"model {model!r} is not served here", "model_not_found", "model")
+        ready = await self.readiness.check()
+        return JSONResponse({"model": model, "ready": ready.models[model]},
+                            status_code=200 if ready.models[model] else 503)
+
+    @app.get("/stats")
+    async def stats_view(self, request: Request) -> JSONResponse:
+        """Every deployment's state (replica ids, nodes, processes, caches of every tenant, failures): an operator's
+        key (tenants.py). "degraded": the draft fails (rounds go target-only); "failing": a target does."""
+        self.tenants.require_operator(request)
         try:  # each deployment's call is bounded at STATS_TIMEOUT_S and they run at once; this bounds the rest
             stats = await asyncio.wait_for(self.stats(), STATS_TIMEOUT_S + 5.0)
         except Exception as exc:
-            return JSONResponse({"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
+            return JSONResponse({"status": "failing", "error": f"{type(exc).__name__}: {exc}"})
         bad = [n for n, t in stats["targets"].items() if "error" in t["deployment"]]
         if stats["draft"] is not None and "error" in stats["draft"]:
-            bad.append("draft")  # requests still succeed (target-only), so report but stay 200
-        status = 503 if any(n != "draft" for n in bad) else 200
-        return JSONResponse({"status": "ok" if not bad else "degraded", "failing": bad, **stats}, status_code=status)
+            bad.append("draft")  # requests still succeed (target-only)
+        status = "failing" if any(n != "draft" for n in bad) else "degraded" if bad else "ok"
+        return JSONResponse({"status": status, "failing": bad, **stats})
 
     async def check_health(self) -> None:
         """Serve's periodic check: the draft and targets placed here answer on their model threads, and their idle
@@ -263,7 +289,9 @@ class Router:
             await handle.check_health.remote()
 
     @app.get("/metrics")
-    async def prometheus(self) -> Response:
+    async def prometheus(self, request: Request) -> Response:
+        """Prometheus text: every tenant's figures, so an operator's key (open when the app has no keys)."""
+        self.tenants.require_operator(request)
         if self.cfg.uses_draft:
             self.metrics.record_draft(await _call_stats(self.draft_handle))
         for name in self.schedulers:  # the prefix cache counters live in the target replicas
@@ -275,15 +303,15 @@ class Router:
                       chat: bool) -> Response:
         model = "unknown"
         try:
-            authorize(request, self._api_key)
+            tenant = self.tenants.authenticate(request)
             oreq = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), kind)
             try:
                 greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            if self.cfg.suffix.enabled and self.cfg.suffix.scope == "api_key":
-                scope = store_scope(request, oreq.user, oreq.safety_identifier)
-                greqs = [g.model_copy(update={"suffix_scope": scope}) for g in greqs]
+            scoped = {"tenant": tenant.name, "cache_salt": oreq.cache_salt,
+                      "suffix_scope": end_user_scope(oreq.user, oreq.safety_identifier)}
+            greqs = [g.model_copy(update=scoped) for g in greqs]
             info = self._info(oreq.model)
             model = info.name
             ids = ResponseIds(chat)
@@ -296,9 +324,7 @@ class Router:
             resps = await gather_all([self.generate(g) for g in greqs])
             return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
-            err = api_error(exc)
-            if err.status >= 500 and not isinstance(exc, (ApiError, S2DError)):
-                logger.exception("unexpected error")
+            err = api_error(exc)  # a 5xx's exception goes to the log with the id the client gets
             self.metrics.errors.labels(model, str(err.status)).inc()
             return error_response(err)
 
@@ -343,8 +369,11 @@ class Router:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
         info = self._info(req.model)
         gen = to_generation(info, req, self.cfg.limits)
-        if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
-            gen = replace(gen, suffix_scope=req.suffix_scope)
+        # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
+        # outputs under `suffix.scope: api_key` also its end user.
+        scope = self.tenants.cache_scope(req.tenant, req.cache_salt)
+        end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
+        gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from serve_helpers import HTTP_TIMEOUT, replica_actor
+from serve_helpers import AUTH, HTTP_TIMEOUT, replica_actor
 
 _SERVE_CONFTEST = Path(__file__).with_name("conftest.py")
 
@@ -68,7 +68,7 @@ def replica_memory_mib(app: str, deployment: str) -> float:
 
 def metric(url: str, series: str) -> float:
     """The value of one Prometheus series of a router (0 when it does not exist yet)."""
-    text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 

@@ -94,7 +94,7 @@ def test_disconnect_aborts_and_frees_kv_on_draft_and_target(tiny_app, ref64):
 
 
 def _metric(app, series: str) -> float:
-    text = httpx.get(f"{app.url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -106,7 +106,7 @@ def test_metrics_count_speculation_per_model_and_exit(tiny_app):
     spec = resp["metrics"]["speculative_decoding"]
     after = _metric(tiny_app, 's2d:spec_decode_num_draft_tokens_total{model="tiny-a"}')
     assert after - before == spec["num_draft_tokens"] > 0
-    text = httpx.get(f"{tiny_app.url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{tiny_app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     exits = {re.search(r'exit="(\d+)"', line).group(1) for line in text.splitlines()
              if line.startswith("s2d:spec_decode_num_draft_tokens_by_exit_total{") and 'model="tiny-a"' in line}
     assert exits and exits <= {"1", "2", "3"}

@@ -124,7 +124,7 @@ def test_n_choices_prefill_a_long_prompt_once(tiny_app, ref):
     assert len(ref.ids(prompt)) > 40
 
     def forked() -> int:
-        health = httpx.get(f"{tiny_app.url}/health", timeout=HTTP_TIMEOUT).json()
+        health = httpx.get(f"{tiny_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
         return health["targets"]["tiny-a"]["deployment"]["num_forked_tokens"]
 
     before = forked()

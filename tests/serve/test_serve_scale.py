@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from reliability_helpers import delete_app, deploy_app
-from serve_helpers import API_KEY, HTTP_TIMEOUT, wait_until
+from serve_helpers import API_KEY, AUTH, HTTP_TIMEOUT, wait_until
 from test_serve_soak import SPEC, check, plan, refs, run_job, run_phase  # noqa: F401  (refs is a fixture)
 
 pytestmark = pytest.mark.serve
@@ -57,7 +57,7 @@ def router_stats(app) -> dict[str, dict]:
     seen: dict[str, dict] = {}
 
     def both() -> bool:
-        body = httpx.get(f"{app.url}/health", timeout=HTTP_TIMEOUT).json()
+        body = httpx.get(f"{app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
         seen[body["router"]] = body
         return len(seen) == 2
 
