@@ -1,7 +1,8 @@
 """Prometheus metrics of the router, named in vLLM's style (`s2d:spec_decode_num_accepted_tokens_total`, ...).
 
-One registry per router replica (served at /metrics); every series carries the target as `model`, exit counters
-also the draft exit layer as `exit` (`0`: prompt-lookup candidates).
+One registry per router replica, summed over every router replica by the app's metrics hub (metrics_hub.py) and
+served at /metrics; every series carries the target as `model`, exit counters also the draft exit layer as `exit`
+(`0`: prompt-lookup candidates).
 """
 
 from __future__ import annotations

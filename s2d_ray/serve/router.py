@@ -8,6 +8,7 @@ the shared draft deployment and whose verifier is the target deployment.
 # real annotation objects (a string "Request" would be taken for a query parameter).
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from .http_api import (
 )
 from .loaders import load_tokenizer, model_context
 from .metrics import ServeMetrics, prefix_cache_totals
+from .metrics_hub import snapshot
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
@@ -69,6 +71,7 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(ApiError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
 
 
+METRICS_PUSH_S = 1.0  # how often a router replica sends its counters to the metrics hub
 STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
 
 
@@ -95,12 +98,13 @@ async def _await(response):
 @serve.deployment(name="router")
 @serve.ingress(app)
 class Router:
-    def __init__(self, cfg: AppConfig, draft, targets: dict) -> None:
+    def __init__(self, cfg: AppConfig, draft, targets: dict, metrics_hub=None) -> None:
         gc_pauses()  # this process's collections, loading included
         set_threads(1)
         self.cfg = cfg
         self.tenants = TenantKeys.from_config(cfg.api_key, cfg.tenants)  # who may call, and their cache scopes
         self.metrics = ServeMetrics()
+        self.metrics_hub, self._pushing = metrics_hub, None  # metrics_hub.py: /metrics over every router replica
         if draft is None and cfg.uses_draft:  # draft.placement: router
             from .draft_deployment import draft_in_router
 
@@ -290,14 +294,34 @@ class Router:
 
     @app.get("/metrics")
     async def prometheus(self, request: Request) -> Response:
-        """Prometheus text: every tenant's figures, so an operator's key (open when the app has no keys)."""
+        """Prometheus text of the whole app (every router replica, through the metrics hub): every tenant's figures,
+        so an operator's key (open when the app has no keys)."""
         self.tenants.require_operator(request)
-        if self.cfg.uses_draft:
-            self.metrics.record_draft(await _call_stats(self.draft_handle))
-        for name in self.schedulers:  # the prefix cache counters live in the target replicas
-            for stats in await _replica_stats(self.target_handles[name]):
-                self.metrics.record_prefix_cache(name, stats)
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        draft = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
+        # the prefix cache counters live in the target replicas
+        prefix = {name: await _replica_stats(self.target_handles[name]) for name in self.schedulers}
+        if self.metrics_hub is None:
+            self.metrics.record_draft(draft)
+            for name, replicas in prefix.items():
+                for stats in replicas:
+                    self.metrics.record_prefix_cache(name, stats)
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        await self.metrics_hub.push.remote(self.replica, snapshot(self.metrics.registry))
+        body = await self.metrics_hub.render.remote(draft, prefix)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    def _push_metrics(self) -> None:
+        """Start sending this replica's counters to the hub (once; the loop outlives the request that starts it)."""
+        if self.metrics_hub is not None and self._pushing is None:
+            self._pushing = asyncio.get_running_loop().create_task(self._push_loop(), context=contextvars.Context())
+
+    async def _push_loop(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_PUSH_S)
+            try:
+                await self.metrics_hub.push.remote(self.replica, snapshot(self.metrics.registry))
+            except Exception:  # the hub is being replaced: the next push carries the same (cumulative) counts
+                logger.warning("metrics push failed", exc_info=True)
 
     async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],
                       chat: bool) -> Response:
@@ -368,6 +392,7 @@ class Router:
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
         info = self._info(req.model)
+        self._push_metrics()
         gen = to_generation(info, req, self.cfg.limits)
         # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
         # outputs under `suffix.scope: api_key` also its end user.
