@@ -214,10 +214,19 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         None, description="The model whose embedding, norm, head and tokenizer the draft shares (named source, "
         "directory or hub id); default: the `base_model` its s2d_draft.json records, an absolute path of the "
         "machine that trained it: set this where the weights live elsewhere (e.g. /mnt/models/vicuna-7b-v1.5).")
-    call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
+    call_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a propose call (the first calls', "
+                                  "before the draft's speed is measured); later calls wait call_timeout_margin x the "
+                                  "measured seconds per drafted position, plus call_timeout_floor_s, up to this. A "
+                                  "call past its wait counts as a draft failure.")
+    call_timeout_margin: float = Field(4.0, ge=1, description="The derived wait over the draft's measured worst "
+                                       "seconds per drafted position (recent calls).")
+    call_timeout_floor_s: float = Field(0.5, gt=0, description="Added to the derived wait (transport, the draft's "
+                                        "batch window, pauses).")
     retry_after_s: float = Field(
-        5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
+        5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry; "
+        "doubled after each failure in a row, up to retry_max_s."
     )
+    retry_max_s: float = Field(60.0, ge=0, description="Longest target-only spell after failures in a row.")
     batch_wait_timeout_s: float = Field(
         0.05, ge=0, description="Most a batch of propose calls is held open for other targets' rounds. The window "
         "adapts below it: a batch waits only for callers whose next round is predicted (from their measured time "

@@ -32,6 +32,7 @@ from .affinity import Affinity, each_replica
 from .app_config import AppConfig
 from .choices import first_items, gather_all, merge
 from .clients import DraftClient, TargetClient
+from .draft_deadline import DeadlinePolicy, DraftDeadline
 from .events import Event, coalesced
 from .http_api import (
     ApiError, api_error, body_schema, error_response, parse_body, read_body, validation_error,
@@ -166,7 +167,10 @@ class Router:
         affinity = Affinity(self.affinity, "draft", self.metrics.recomputed_tokens, self._routing)
         self.affinities.append(affinity)
         times = CallTimes(observe=self.metrics.call_overhead.labels(name, "draft").observe)
-        return DraftClient(self.draft_handle, name, self.cfg.draft.call_timeout_s, self.cfg.draft.retry_after_s,
+        d = self.cfg.draft
+        deadline = DraftDeadline(DeadlinePolicy(d.call_timeout_s, d.retry_after_s, d.retry_max_s,
+                                                d.call_timeout_margin, d.call_timeout_floor_s))
+        return DraftClient(self.draft_handle, name, d.call_timeout_s, d.retry_after_s, deadline=deadline,
                            on_fallback=self.metrics.draft_fallbacks.labels(name).inc, affinity=affinity, times=times)
 
     @property
