@@ -262,6 +262,10 @@ class RouterOptions(DeploymentOptions):
         "round whole on the process's model thread while no other target of the router has work: one thread hop per "
         "round instead of one per call, no batch queue. False: every round goes through the draft's and the "
         "target's batch queues (what lets rounds of several targets merge into one draft forward).")
+    keepalive_s: float = Field(
+        5.0, gt=0, description="A stream still waiting for its first tokens after 1 s (queued for a decode slot, a "
+        "long prefill) starts with status 200 and sends an SSE comment line (`: keep-alive`) this often until they "
+        "come, so proxies and clients with idle timeouts keep the connection; errors after that are in-band.")
     prefix_routing: PrefixRoutingConfig = Field(
         default_factory=PrefixRoutingConfig, description="Which target and draft replica a new sequence goes to: "
         "where its prompt's first block was cached, within a load bound (docs/SERVING.md; off with prefix_cache).")

@@ -37,6 +37,7 @@ from .events import Event, coalesced
 from .http_api import (
     ApiError, api_error, body_schema, error_response, parse_body, read_body, validation_error,
 )
+from .keepalive import keepalive, settled_within
 from .loaders import load_tokenizer, model_context
 from .metrics import ServeMetrics, prefix_cache_totals
 from .metrics_hub import snapshot
@@ -72,6 +73,7 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(ApiError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
 
 
+FIRST_WAIT_S = 1.0  # a stream's status waits this long for its first tokens, then it starts with keep-alives
 METRICS_PUSH_S = 1.0  # how often a router replica sends its counters to the metrics hub
 STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
 
@@ -346,9 +348,12 @@ class Router:
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
             if oreq.stream:
                 streams = [self._run(g) for g in greqs]
-                firsts = await first_items(streams)  # admission errors (404, 400, 429) still get an HTTP status
-                return StreamingResponse(self._sse(ids, model, views, firsts, streams, oreq.n),
-                                         media_type="text/event-stream")
+                # admission errors (404, 400, 429) still get an HTTP status; a queued stream starts with keep-alives
+                pending = asyncio.ensure_future(first_items(streams))
+                waiting = not await settled_within(pending, min(FIRST_WAIT_S, self.cfg.router.keepalive_s))
+                sse = (self._sse_queued(pending, ids, model, views, streams, oreq.n) if waiting else
+                       self._sse(ids, model, views, pending.result(), streams, oreq.n))
+                return StreamingResponse(sse, media_type="text/event-stream")
             resps = await gather_all([self.generate(g) for g in greqs])
             return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
@@ -370,6 +375,22 @@ class Router:
             echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(encode(info, greq))
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
                           oreq.return_token_ids, greq.tool_mode)
+
+    async def _sse_queued(self, pending: asyncio.Future, ids: ResponseIds, model: str, views: list[ChoiceView],
+                          streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
+        """keepalive.py: comment lines until the first tokens, then the stream; an error before them in-band."""
+        async for line in keepalive(pending, self.cfg.router.keepalive_s):
+            yield line
+        try:
+            firsts = pending.result()
+        except Exception as exc:
+            err = api_error(exc)
+            self.metrics.errors.labels(model, str(err.status)).inc()
+            yield f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        async for part in self._sse(ids, model, views, firsts, streams, n):
+            yield part
 
     async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
                    streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:

@@ -3,11 +3,14 @@ isolation a tenant gets no prefix-cache hit and no match in the store of earlier
 prompt or output, while its own repeat does get both; `cache_salt` separates within a tenant; under `shared` (the
 negative control) the other tenant's request does hit. Outputs are target-only greedy throughout. /stats and /metrics
 need an operator's key. Also: /health is local liveness, and readiness is per model (one target down leaves the
-other ready)."""
+other ready), and a queued stream keeps its connection alive."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -37,6 +40,8 @@ def tenant_app(serve_instance, tiny_family, tmp_path_factory, name: str, isolati
     cfg["spec"] = {"mode": "lookup"}  # prompt lookup and the store: no draft deployment to start
     cfg["suffix"] = {"enabled": True, "max_tokens": 4096}
     cfg["tenants"] = {"keys_file": keys_file(tmp_path_factory.mktemp(name)), "isolation": isolation}
+    cfg["limits"] = {**cfg["limits"], "max_concurrent_sequences": 1}  # one decode slot: a second request queues
+    cfg["router"] = {**cfg["router"], "keepalive_s": 0.2}
     return deploy(build_app(cfg), name, serve_instance, cfg)
 
 
@@ -132,3 +137,23 @@ def test_one_target_down_leaves_the_other_ready(shared_app):
     assert b.status_code in (503, 200)  # 503 unless the replacement is already up
     assert "127.0.0.1" not in str(body) and "pid" not in str(body)  # no details without a key
     wait_until(lambda: ready()[1]["status"] == "ready", timeout_s=120, interval_s=0.5)
+
+
+def test_a_queued_stream_keeps_its_connection_alive(isolated_app, want):
+    """One long request holds the only decode slot; a stream queued behind it gets status 200 and `: keep-alive`
+    comment lines at once, then its tokens (the same text)."""
+    alice = {"authorization": f"Bearer {ALICE}"}
+    long_body = {"model": "tiny-a", "prompt": "a long one", "max_tokens": 448, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(post, f"{isolated_app.url}/v1/completions", long_body, alice)
+        time.sleep(0.3)  # admitted: it holds the slot
+        body = {"model": "tiny-a", "prompt": SYSTEM, "max_tokens": 24, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{isolated_app.url}/v1/completions", content=json.dumps(body),
+                          headers={"content-type": "application/json", **alice}, timeout=HTTP_TIMEOUT) as resp:
+            assert resp.status_code == 200
+            lines = [ln for ln in resp.iter_lines() if ln]
+        assert long.result().status_code == 200
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("data: "))
+    assert first > 0 and all(ln == ": keep-alive" for ln in lines[:first]), lines[:first + 1]
+    chunks = [json.loads(ln[6:]) for ln in lines[first:] if ln != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want and lines[-1] == "data: [DONE]"
