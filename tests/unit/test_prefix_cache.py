@@ -167,6 +167,19 @@ def test_a_scope_forks_only_its_own_rows_and_keeps_its_entries(target, other):
     assert verifier.prefix_cache_stats()["prefix_cache_hits"] == 50  # its own scope: the whole first turn
 
 
+def test_the_drafter_forks_within_a_scope_only(target):
+    """The shared draft's cache is scoped as the target's: another tenant's prompt gives no hit, its own does."""
+    draft = noisy_draft(target, num_layers=3, exits=[1, 2, 3], thresholds=[0.0, 0.0, 0.0])
+    system = tokens(1, SYSTEM)
+    d = SortedDrafter(draft, prefix_cache=PrefixCacheSpec(max_tokens=4096))
+    d.propose([DraftRequest("ta:a", system + [5, 6], 2, SamplingParams())])
+    d.release("ta:a")
+    d.propose([DraftRequest("tb:b", system + [7, 8, 9], 3, SamplingParams())])
+    assert d.prefix_cache_stats()["prefix_cache_hits"] == 0
+    d.propose([DraftRequest("ta:c", system + [7, 8, 9], 3, SamplingParams())])
+    assert d.prefix_cache_stats()["prefix_cache_hits"] >= SYSTEM
+
+
 def test_with_rows_bounded_cached_rows_give_way_before_live_ones(target):
     verifier = TargetVerifier(target, prefix_cache=PrefixCacheSpec(max_tokens=1000))
     verifier.table.set_limits(2)
