@@ -47,5 +47,6 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
     # 20 s would cut long streams during a scale-down or redeploy.
     router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)
-    hub = MetricsHubDeployment.bind()  # one aggregation point for /metrics across router replicas
+    # one aggregation point for /metrics across router replicas; no CPU reserved (a dict sum once a second per router)
+    hub = MetricsHubDeployment.options(**cfg.deployment_options({"ray_actor_options": {"num_cpus": 0}})).bind()
     return Router.options(name="router", **router).bind(cfg, draft, targets, hub)

@@ -94,4 +94,4 @@ class MetricsHub:
         return generate_latest(registry)
 
 
-MetricsHubDeployment = serve.deployment(name="metrics", num_replicas=1, ray_actor_options={"num_cpus": 0})(MetricsHub)
+MetricsHubDeployment = serve.deployment(name="metrics", num_replicas=1)(MetricsHub)
