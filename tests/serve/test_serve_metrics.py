@@ -16,8 +16,8 @@ pytestmark = pytest.mark.serve
 
 APP = "metrics2"
 REQUESTS = 24
-DONE = 's2d:request_success_total{finished_reason="length",model="tiny-a"}'
-TOKENS = 's2d:generation_tokens_total{model="tiny-a"}'
+DONE = 'vllm:request_success_total{finished_reason="length",model="tiny-a"}'
+TOKENS = 'vllm:generation_tokens_total{model="tiny-a"}'
 HITS = 'vllm:prefix_cache_hits_total{model="tiny-a"}'
 
 
@@ -81,7 +81,7 @@ def test_counters_never_decrease_and_count_every_request_once(two_routers):
     hits = stats["targets"]["tiny-a"]["prefix_cache"]["prefix_cache_hits"]
     assert hits > 0 and scrape(two_routers)[HITS] == hits  # the target's count, once, however many routers scrape
     hub = serve.get_deployment_handle("metrics", APP)
-    per_router = hub.per_router.remote("s2d:request_success_total",
+    per_router = hub.per_router.remote("vllm:request_success_total",
                                        {"model": "tiny-a", "finished_reason": "length"}).result()
     assert len([n for n in per_router.values() if n > 0]) == 2, per_router  # both routers served (else trivial)
     assert sum(per_router.values()) == REQUESTS
