@@ -1,4 +1,4 @@
-"""Readiness per model, for load balancers: which targets have a running replica now, from one call to Serve's
+"""Readiness per model, for load balancers (and the verdict of the operator's /stats): which targets have a running replica now, from one call to Serve's
 controller (`serve.status()`), cached briefly so frequent probes cost the controller one call per interval.
 
 Liveness (`/health`) is the router answering at all and needs nothing from here. A model is ready when its target
@@ -36,6 +36,16 @@ class Readiness:
         if self.error:
             out["error"] = self.error
         return out
+
+
+def with_status(stats: dict) -> dict:
+    """The router's stats with a verdict: `failing` (a target did not answer), `degraded` (the draft did not: rounds
+    go target-only, requests still succeed) or `ok`, and the failing deployments."""
+    bad = [n for n, t in stats["targets"].items() if "error" in t["deployment"]]
+    if stats["draft"] is not None and "error" in stats["draft"]:
+        bad.append("draft")
+    status = "failing" if any(n != "draft" for n in bad) else "degraded" if bad else "ok"
+    return {"status": status, "failing": bad, **stats}
 
 
 def running_replicas(status, app: str) -> dict[str, int]:

@@ -12,6 +12,9 @@ replica's count by its increase (ServeMetrics.record_prefix_cache), so two route
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import logging
 import time
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -20,7 +23,10 @@ from ray import serve
 
 from .metrics import ServeMetrics
 
+logger = logging.getLogger(__name__)
+
 GAUGE_STALE_S = 30.0
+PUSH_S = 1.0  # how often a router replica sends its counters to the hub
 
 # (family name, type, documentation, [(sample name, labels, value)]): picklable, what a router pushes
 Family = tuple[str, str, str, list[tuple[str, dict, float]]]
@@ -61,6 +67,30 @@ class _Merged:
 
     def collect(self):
         return iter(self.families)
+
+
+class HubPusher:
+    """A router replica's side: its registry's snapshot to the hub every PUSH_S, from its first request on."""
+
+    def __init__(self, hub, replica: str, registry: CollectorRegistry) -> None:
+        self.hub, self.replica, self.registry = hub, replica, registry
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the pushes (once; in a fresh context: the loop must outlive the request that starts it)."""
+        if self.hub is not None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
+
+    async def push(self) -> None:
+        await self.hub.push.remote(self.replica, snapshot(self.registry))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(PUSH_S)
+            try:
+                await self.push()
+            except Exception:  # the hub is being replaced: the next push carries the same (cumulative) counts
+                logger.warning("metrics push failed", exc_info=True)
 
 
 class MetricsHub:

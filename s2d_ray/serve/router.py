@@ -8,7 +8,6 @@ the shared draft deployment and whose verifier is the target deployment.
 # real annotation objects (a string "Request" would be taken for a query parameter).
 import asyncio
 import contextlib
-import contextvars
 import json
 import logging
 import time
@@ -40,7 +39,7 @@ from .http_api import (
 from .keepalive import keepalive, settled_within
 from .loaders import load_tokenizer, model_context
 from .metrics import ServeMetrics, prefix_cache_totals
-from .metrics_hub import snapshot
+from .metrics_hub import HubPusher
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
@@ -48,7 +47,7 @@ from .openai_protocol import (
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id
 from .round_timing import CallTimes
-from .health import ReadinessProbe, serve_status_reader
+from .health import ReadinessProbe, serve_status_reader, with_status
 from .scheduler import TargetScheduler
 from .tenants import TenantKeys, end_user_scope, scoped_seq_id, store_scope
 
@@ -74,7 +73,6 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 FIRST_WAIT_S = 1.0  # a stream's status waits this long for its first tokens, then it starts with keep-alives
-METRICS_PUSH_S = 1.0  # how often a router replica sends its counters to the metrics hub
 STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
 
 
@@ -107,7 +105,7 @@ class Router:
         self.cfg = cfg
         self.tenants = TenantKeys.from_config(cfg.api_key, cfg.tenants)  # who may call, and their cache scopes
         self.metrics = ServeMetrics()
-        self.metrics_hub, self._pushing = metrics_hub, None  # metrics_hub.py: /metrics over every router replica
+        self.metrics_hub = metrics_hub  # metrics_hub.py: /metrics over every router replica
         if draft is None and cfg.uses_draft:  # draft.placement: router
             from .draft_deployment import draft_in_router
 
@@ -121,6 +119,7 @@ class Router:
         self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
         self.replica = replica_id()
+        self.pusher = HubPusher(metrics_hub, self.replica, self.metrics.registry)
         self.readiness = ReadinessProbe(
             serve_status_reader(serve.get_replica_context().app_name),
             {t.name: None if t.placement == "router" else f"target-{t.name}" for t in cfg.targets},  # build_app's names
@@ -286,11 +285,7 @@ class Router:
             stats = await asyncio.wait_for(self.stats(), STATS_TIMEOUT_S + 5.0)
         except Exception as exc:
             return JSONResponse({"status": "failing", "error": f"{type(exc).__name__}: {exc}"})
-        bad = [n for n, t in stats["targets"].items() if "error" in t["deployment"]]
-        if stats["draft"] is not None and "error" in stats["draft"]:
-            bad.append("draft")  # requests still succeed (target-only)
-        status = "failing" if any(n != "draft" for n in bad) else "degraded" if bad else "ok"
-        return JSONResponse({"status": status, "failing": bad, **stats})
+        return JSONResponse(with_status(stats))
 
     async def check_health(self) -> None:
         """Serve's periodic check: the draft and targets placed here answer on their model threads, and their idle
@@ -303,31 +298,14 @@ class Router:
         """Prometheus text of the whole app (every router replica, through the metrics hub): every tenant's figures,
         so an operator's key (open when the app has no keys)."""
         self.tenants.require_operator(request)
+        if self.metrics_hub is None:  # a router built outside build_app: this replica's own counters
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
         draft = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
         # the prefix cache counters live in the target replicas
         prefix = {name: await _replica_stats(self.target_handles[name]) for name in self.schedulers}
-        if self.metrics_hub is None:
-            self.metrics.record_draft(draft)
-            for name, replicas in prefix.items():
-                for stats in replicas:
-                    self.metrics.record_prefix_cache(name, stats)
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-        await self.metrics_hub.push.remote(self.replica, snapshot(self.metrics.registry))
+        await self.pusher.push()  # this replica's counters as of now
         body = await self.metrics_hub.render.remote(draft, prefix)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    def _push_metrics(self) -> None:
-        """Start sending this replica's counters to the hub (once; the loop outlives the request that starts it)."""
-        if self.metrics_hub is not None and self._pushing is None:
-            self._pushing = asyncio.get_running_loop().create_task(self._push_loop(), context=contextvars.Context())
-
-    async def _push_loop(self) -> None:
-        while True:
-            await asyncio.sleep(METRICS_PUSH_S)
-            try:
-                await self.metrics_hub.push.remote(self.replica, snapshot(self.metrics.registry))
-            except Exception:  # the hub is being replaced: the next push carries the same (cumulative) counts
-                logger.warning("metrics push failed", exc_info=True)
 
     async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],
                       chat: bool) -> Response:
@@ -384,9 +362,7 @@ class Router:
         try:
             firsts = pending.result()
         except Exception as exc:
-            err = api_error(exc)
-            self.metrics.errors.labels(model, str(err.status)).inc()
-            yield f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
+            yield self._error_event(exc, model)
             yield "data: [DONE]\n\n"
             return
         async for part in self._sse(ids, model, views, firsts, streams, n):
@@ -408,16 +384,19 @@ class Router:
                     body = usage_chunk(ids, model, total_usage(parts, n), [p.metrics for p in parts])
                     yield f"data: {json.dumps(body)}\n\n"
             except Exception as exc:  # after the first byte the status is sent: report in-band, like OpenAI
-                err = api_error(exc)
-                self.metrics.errors.labels(model, str(err.status)).inc()
-                yield f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
+                yield self._error_event(exc, model)
         yield "data: [DONE]\n\n"
+
+    def _error_event(self, exc: Exception, model: str) -> str:
+        err = api_error(exc)
+        self.metrics.errors.labels(model, str(err.status)).inc()
+        return f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
 
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
         info = self._info(req.model)
-        self._push_metrics()
+        self.pusher.start()
         gen = to_generation(info, req, self.cfg.limits)
         # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
         # outputs under `suffix.scope: api_key` also its end user.
