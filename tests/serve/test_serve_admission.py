@@ -1,5 +1,5 @@
 """Admission from memory, served: a target sized by `memory_fraction` to hold 2 KV rows makes the router run at most 2
-of its sequences at once; the others queue (no error, no eviction) and every answer is still plain greedy's. /health
+of its sequences at once; the others queue (no error, no eviction) and every answer is still plain greedy's. /stats
 names the device and dtype of the router and of the target replica."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`draft.placement: router` and a target's `placement: router`: the router loads the shared draft and one target
 and runs both on its one model thread. Served greedy still equals in-process target-only greedy for two targets
 decoding at once (one in the router, one a deployment), neither the draft nor the placed target has a deployment, and
-/health reports both from the router's process, their KV released."""
+/stats reports both from the router's process, their KV released."""
 
 from __future__ import annotations
 

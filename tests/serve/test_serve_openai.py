@@ -118,7 +118,7 @@ def test_n_seeded_samples_are_independent_and_reproducible(tiny_app):
 
 
 def test_n_choices_prefill_a_long_prompt_once(tiny_app, ref):
-    """n choices of a long prompt: the target copies one row's prompt KV into the others (forked tokens in /health),
+    """n choices of a long prompt: the target copies one row's prompt KV into the others (forked tokens in /stats),
     and every choice still equals a single request with its seed."""
     prompt = " ".join(f"item {i} is {i * 7 % 13};" for i in range(12))
     assert len(ref.ids(prompt)) > 40

@@ -1,4 +1,4 @@
-"""Served prefix cache: requests sharing a system prompt hit the target's cache (in /metrics and /health) and their
+"""Served prefix cache: requests sharing a system prompt hit the target's cache (in /metrics and /stats) and their
 outputs equal target-only greedy decoding with no cache at all."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Prefix routing served (real Ray Serve, 127.0.0.1, tiny float64 models): 2 routers, 2 draft and 2 target replicas.
 Requests sharing a system prompt, sent two at a time so the proxy spreads them over both routers, find it cached on
-the replica each router sends them to: the target replicas' hits (summed by /health over every replica) reach 80% of
+the replica each router sends them to: the target replicas' hits (summed by /stats over every replica) reach 80% of
 what ONE in-process engine gets for the same prompts, and every output equals target-only greedy without a cache.
 Without prefix routing the two routers' home replicas each compute every system prompt (tests/unit/
-test_prefix_routing.py, the negative control). Also: a tensor-parallel target's counters reach /health."""
+test_prefix_routing.py, the negative control). Also: a tensor-parallel target's counters reach /stats."""
 
 from __future__ import annotations
 

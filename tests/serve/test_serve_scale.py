@@ -53,7 +53,7 @@ def scale_app(serve_instance, tiny_family):
 
 
 def router_stats(app) -> dict[str, dict]:
-    """/health detail of every router replica (HTTP lands on either; poll until both answered)."""
+    """/stats detail of every router replica (HTTP lands on either; poll until both answered)."""
     seen: dict[str, dict] = {}
 
     def both() -> bool:
@@ -212,7 +212,7 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         decided: dict[str, float] = {}  # seconds from the load's start until the controller started a second replica
         reached: dict[str, float] = {}  # ... until it ran
         messages: dict[str, set[str]] = {}
-        busy = {"load": 0.0, "quiet": 0.0}  # the highest draft busy fraction the routers' /health showed, per phase
+        busy = {"load": 0.0, "quiet": 0.0}  # the highest draft busy fraction the routers' /stats showed, per phase
         low: dict[str, int] = {}  # the fewest running replicas each deployment had once the load ended
         samples: list[float] = []
         phase = ["load"]
