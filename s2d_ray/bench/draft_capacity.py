@@ -65,7 +65,8 @@ async def _draft_stats(client, url: str) -> dict:
     except (httpx.HTTPError, ValueError) as exc:
         raise ServiceUnavailableError(f"no /stats from {url}: {type(exc).__name__}: {exc}") from exc
     if not draft or "error" in draft:
-        raise ServiceUnavailableError(f"{url}/stats has no draft stats (an app in mode s2d with a draft, and an operator key?): {draft}")
+        raise ServiceUnavailableError(f"{url}/stats has no draft stats (an app in mode s2d with a draft, and an "
+                                      f"operator key?): {draft}")
     return draft
 
 

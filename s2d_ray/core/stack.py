@@ -395,9 +395,9 @@ class RowTable:
         return kept + [state for state in self.states.values() if state.filled and state.filled[0] > 0]
 
     def fork(self, seq_id: str, limit: int, among: list[RowState] | None = None) -> int:
-        """Give a sequence with no KV yet the longest prefix of its tokens that another live row of its scope holds (of
-        `among`, default every row), at most `limit` positions: one copy per layer instead of a prefill (n choices of one
-        prompt, a shared system prompt). Returns the positions it now holds (0: nothing shared)."""
+        """Give a sequence with no KV yet the longest prefix of its tokens that another live row of its scope holds
+        (of `among`, default every row), at most `limit` positions: one copy per layer instead of a prefill (n choices
+        of one prompt, a shared system prompt). Returns the positions it now holds (0: nothing shared)."""
         state = self.states[seq_id]
         if any(state.filled):
             return 0

@@ -1,5 +1,6 @@
-"""Readiness per model, for load balancers (and the verdict of the operator's /stats): which targets have a running replica now, from one call to Serve's
-controller (`serve.status()`), cached briefly so frequent probes cost the controller one call per interval.
+"""Readiness per model, for load balancers: which targets have a running replica now, from one call to Serve's
+controller (`serve.status()`), cached briefly so frequent probes cost the controller one call per interval; and the
+verdict of the operator's /stats.
 
 Liveness (`/health`) is the router answering at all and needs nothing from here. A model is ready when its target
 deployment has a RUNNING replica (or it is loaded in the router itself, `placement: router`); one target reloading
