@@ -26,7 +26,8 @@ def finished(m: ServeMetrics, n: int) -> None:
     for _ in range(n):
         m.record_finished("m", 5, "stop", {"num_generated_tokens": 3, "num_draft_tokens": 4,
                                            "num_accepted_draft_tokens": 2, "num_spec_steps": 1,
-                                           "num_target_forwards": 2, "exit_histogram": {}, "accepted_exit_histogram": {},
+                                           "num_target_forwards": 2, "exit_histogram": {},
+                                           "accepted_exit_histogram": {},
                                            "mean_acceptance_length": 1.5}, 0.1, 0.01)
 
 

@@ -29,7 +29,8 @@ def request(header: str | None) -> SimpleNamespace:
 def keys(tmp_path, monkeypatch) -> TenantKeys:
     monkeypatch.delenv("S2D_API_KEY", raising=False)
     path = tmp_path / "keys.yaml"
-    path.write_text(f"keys:\n  - {{tenant: team-a, sha256: {sha('ka')}}}\n  - {{tenant: team-a, sha256: {sha('ka2')}}}\n"
+    path.write_text(f"keys:\n  - {{tenant: team-a, sha256: {sha('ka')}}}\n"
+                    f"  - {{tenant: team-a, sha256: {sha('ka2')}}}\n"
                     f"  - {{tenant: team-b, sha256: {sha('kb')}}}\n")
     return TenantKeys.from_config(SecretStr("legacy"), TenantsConfig(keys_file=str(path)))
 
@@ -68,7 +69,8 @@ def test_no_keys_is_one_open_tenant(monkeypatch):
 def test_a_bad_keys_file_names_the_field(tmp_path, text, field):
     path = tmp_path / "k.yaml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=f"tenants.keys_file {path}.*{field.split('.')[-1] if field != 'keys_file' else ''}"):
+    last = field.split(".")[-1] if field != "keys_file" else ""
+    with pytest.raises(ValueError, match=f"tenants.keys_file {path}.*{last}"):
         TenantKeys.from_config(None, TenantsConfig(keys_file=str(path)))
 
 
