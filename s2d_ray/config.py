@@ -183,9 +183,10 @@ class SuffixConfig(_Strict):
     max_tokens: int | None = Field(None, gt=0, description="Most tokens of outputs kept per target (all scopes "
                                    "together); the oldest outputs go first. Required when enabled.")
     scope: Literal["global", "api_key"] = Field(
-        "api_key", description="Whose outputs a request may draft from: `api_key` only those of requests with the "
-        "same bearer key and OpenAI `user` / `safety_identifier` (served; the CLI has one scope), `global` every "
-        "request's. Output is the same either way; only speed can differ.")
+        "api_key", description="Whose outputs a request may draft from, within its tenant (served apps scope the "
+        "store by tenant and cache_salt first, tenants.isolation): `api_key` only those of requests with the same "
+        "OpenAI `user` / `safety_identifier` (the CLI has one scope), `global` every request's. Output is the same "
+        "either way; only speed can differ.")
     max_ngram: int = Field(8, ge=2, le=32, description="Longest suffix compared; also the prompt tokens kept "
                            "before each output, so an output's first tokens can match the end of a prompt.")
     num_tokens: int = Field(16, ge=1, le=64, description="Most tokens proposed per continuation.")

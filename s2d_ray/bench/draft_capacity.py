@@ -1,5 +1,5 @@
 """How much the ONE shared draft replica carries: load 1, 2, ... targets of one served app at rising concurrency and
-read the draft's own counters (its `stats()`, through the router's `/health`) before and after each level.
+read the draft's own counters (its `stats()`, through the router's `/stats`) before and after each level.
 
 Per level (n targets, c concurrent streams per target, `s2d bench serve`'s load split over the targets) the report
 gives the draft's busy fraction (model-thread seconds drafting / wall seconds), the share of forwards and of rows that
@@ -61,11 +61,12 @@ async def _draft_stats(client, url: str) -> dict:
     import httpx
 
     try:
-        draft = (await client.get(url.rstrip("/") + "/health", timeout=30.0)).json().get("draft")
+        draft = (await client.get(url.rstrip("/") + "/stats", timeout=30.0)).json().get("draft")
     except (httpx.HTTPError, ValueError) as exc:
-        raise ServiceUnavailableError(f"no /health from {url}: {type(exc).__name__}: {exc}") from exc
+        raise ServiceUnavailableError(f"no /stats from {url}: {type(exc).__name__}: {exc}") from exc
     if not draft or "error" in draft:
-        raise ServiceUnavailableError(f"{url}/health has no draft stats (an app in mode s2d with a draft?): {draft}")
+        raise ServiceUnavailableError(f"{url}/stats has no draft stats (an app in mode s2d with a draft, and an "
+                                      f"operator key?): {draft}")
     return draft
 
 

@@ -9,7 +9,7 @@ speculative, then plain (`speculate: false`, the same requests). Two phases:
 2. bfloat16: output tokens/s and time to first token per level, both variants (differences at rounding near-ties
    are reported, not failed).
 
-Each phase records the device, dtype and peak device memory the replicas report in /health. Without a GPU the command
+Each phase records the device, dtype and peak device memory the replicas report in /stats. Without a GPU the command
 stops at once with one line; `--tiny` runs the same app with small shapes on the CPU (the dry run a test runs).
 """
 
@@ -128,11 +128,11 @@ def equal_outputs(result: dict, concurrency: list[int]) -> dict:
 
 
 async def replica_devices(url: str) -> dict:
-    """Device, dtype and device memory of the router, the draft and the target, from /health."""
+    """Device, dtype and device memory of the router, the draft and the target, from /stats."""
     import httpx
 
     async with httpx.AsyncClient(trust_env=False) as client:
-        health = (await client.get(f"{url}/health", timeout=30.0)).json()
+        health = (await client.get(f"{url}/stats", timeout=30.0)).json()
     keys = ("device", "dtype", "device_memory_peak_bytes", "device_memory_reserved_bytes", "max_live_sequences")
     pick = lambda d: {k: d.get(k) for k in keys if k in d}  # noqa: E731
     return {"router": pick(health), "draft": pick(health.get("draft") or {}),

@@ -249,10 +249,10 @@ def turn2_ttft(ok: list[RequestResult]) -> dict:
 
 
 async def server_timing(client, run: LoadRun) -> dict | None:
-    """The router's round and call clocks for the run's model (`timing` in /health; None from a server without
-    them). With several router replicas, /health answers from one of them."""
+    """The router's round and call clocks for the run's model (`timing` in /stats; None from a server without
+    them). With several router replicas, /stats answers from one of them."""
     try:
-        resp = await client.get(f"{run.url}/health", timeout=10.0)
+        resp = await client.get(f"{run.url}/stats", timeout=10.0)
         return resp.json()["targets"][run.model]["timing"]
     except Exception:
         return None

@@ -1,5 +1,5 @@
 """Differences of the server's cumulative clocks over one level: the router's rounds and calls (`timing` in
-/health) and the load-aware budget's account by kind of round (`spent`). Clocks report means and counts, so a level's
+/stats) and the load-aware budget's account by kind of round (`spent`). Clocks report means and counts, so a level's
 share is the difference of their products."""
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ own token list (common_prefix), which is exact by construction: a row is used on
 equal the new sequence's, with no hash that could collide. The rows held are few (each holds at least
 `min_tokens` positions and all of them at most `max_tokens`), so a scan costs little next to one forward.
 
+Rows are scoped (RowState.scope, from the seq id: rows.cache_scope): a fork reads only rows of its own scope, so
+the server's tenants never share KV, never see each other's hits in their timing, and never evict each other's
+entries as redundant (they do share the token budget, least recently used first).
+
 The cache lives inside one verifier or drafter, which is built for one model (and adapter): a prefix never outlives
 the weights that computed it.
 """
@@ -93,6 +97,6 @@ class RetiredRows:
 
 
 def _covers(new, old) -> bool:
-    """`new` holds every position `old` holds (the same chat, one turn later): `old` is redundant."""
+    """`new` holds every position `old` holds (the same chat, one turn later) in the same scope: `old` is redundant."""
     n = old.filled[0]
-    return new.filled[0] >= n and new.tokens[:n] == old.tokens[:n]
+    return new.scope == old.scope and new.filled[0] >= n and new.tokens[:n] == old.tokens[:n]

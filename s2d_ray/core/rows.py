@@ -41,14 +41,22 @@ class PendingTree:
         return out
 
 
+def cache_scope(seq_id: str) -> str:
+    """The cache scope a seq id names: `<scope>:<id>` forks only from rows of the same scope (the server puts the
+    tenant and its `cache_salt` there, so one tenant's prompts never seed another's KV); an id without ':' is in the
+    shared scope ""."""
+    return seq_id.rpartition(":")[0]
+
+
 @dataclass
 class RowState:
-    """One sequence's place in a cache: its row, the tokens it was synced to, KV fill per segment."""
+    """One sequence's place in a cache: its row, the tokens it was synced to, KV fill per segment, its scope."""
 
     row: int
     tokens: list[int] = field(default_factory=list)
     filled: list[int] = field(default_factory=list)  # per segment: positions [0, filled) hold KV
     tree: PendingTree | None = None  # the last verified tree, compacted on the next sync
+    scope: str = ""  # cache_scope of its seq id: forks read only rows of the same scope
 
     def held_prefix(self, tokens: list[int]) -> int:
         """How many leading positions of `tokens` this row holds KV for (first segment)."""
@@ -112,7 +120,7 @@ class RowTable:
     def sync(self, seq_id: str, tokens: list[int]) -> RowState:
         state = self.states.get(seq_id)
         if state is None:
-            state = RowState(row=self._take_row(), filled=[0] * self.num_segments)
+            state = RowState(row=self._take_row(), filled=[0] * self.num_segments, scope=cache_scope(seq_id))
             self.states[seq_id] = state
         else:
             self.states.move_to_end(seq_id)
@@ -145,15 +153,15 @@ class RowTable:
         return kept + [state for state in self.states.values() if state.filled and state.filled[0] > 0]
 
     def fork(self, seq_id: str, limit: int, among: list[RowState] | None = None) -> int:
-        """Give a sequence with no KV yet the longest prefix of its tokens that another live row holds (of `among`,
-        default every row), at most `limit` positions: one copy per layer instead of a prefill (n choices of one
-        prompt, a shared system prompt). Returns the positions it now holds (0: nothing shared)."""
+        """Give a sequence with no KV yet the longest prefix of its tokens that another live row of its scope holds
+        (of `among`, default every row), at most `limit` positions: one copy per layer instead of a prefill (n choices
+        of one prompt, a shared system prompt). Returns the positions it now holds (0: nothing shared)."""
         state = self.states[seq_id]
         if any(state.filled):
             return 0
         src, shared = None, 0
         for other in self.states.values() if among is None else among:  # fewer positions than found cannot do better
-            if other is state or not other.filled or other.filled[0] <= shared:
+            if other is state or not other.filled or other.filled[0] <= shared or other.scope != state.scope:
                 continue
             n = min(other.held_prefix(state.tokens), limit)
             if n > shared:

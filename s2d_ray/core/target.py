@@ -12,7 +12,8 @@ from .cache import causal_allowed
 from .kernels import STOCK, Kernels
 from .prefix_cache import PrefixCacheSpec
 from .decoder import decoder_parts
-from .rows import FREE_WIDTH, PREFILL_CHUNK, PendingTree, RowState, RowTable, length_groups, pending_grid
+from .rows import (FREE_WIDTH, PREFILL_CHUNK, PendingTree, RowState, RowTable, cache_scope, length_groups,
+                   pending_grid)
 from .stack import LayerStack
 from .tree import ancestor_mask, node_depths
 from .types import ScoreRequest
@@ -177,14 +178,14 @@ def fork_order(requests: list[ScoreRequest], starts: list[int], min_shared: int 
 
     The wait costs one more forward, so shorter shared prefixes are computed twice instead."""
     first, later = [], []
-    heads: set[tuple[int, ...]] = set()  # first min_shared tokens of the new rows in `first`
+    heads: set[tuple] = set()  # scope and first min_shared tokens of the new rows in `first`
     for i, req in enumerate(requests):
         limit = len(req.tokens) - req.num_logits
-        head = tuple(req.tokens[:min_shared])
+        head = (cache_scope(req.seq_id), *req.tokens[:min_shared])  # rows of other scopes never fork this one
         # Sharing >= min_shared positions (within limit >= min_shared) is having the same first min_shared tokens.
         shares = starts[i] == 0 and limit >= min_shared and head in heads
         (later if shares else first).append(i)
-        if not shares and starts[i] == 0 and len(head) == min_shared:
+        if not shares and starts[i] == 0 and len(head) == min_shared + 1:
             heads.add(head)
     return [first, later] if later else [first]
 

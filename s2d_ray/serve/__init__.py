@@ -21,9 +21,11 @@ __all__ = ["AppConfig", "DraftDeploymentConfig", "Limits", "RouterOptions", "Tar
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> "Application":
-    """Validate the config and bind the application: draft (unless mode `ar`), one deployment per target, router."""
+    """Validate the config and bind the application: draft (unless mode `ar`), one deployment per target, the
+    metrics hub, router."""
     from .affinity_router import affinity_router_config
     from .draft_deployment import DraftDeployment
+    from .metrics_hub import MetricsHubDeployment
     from .router import Router
     from .target_deployment import TargetDeployment
 
@@ -45,4 +47,6 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
     # 20 s would cut long streams during a scale-down or redeploy.
     router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)
-    return Router.options(name="router", **router).bind(cfg, draft, targets)
+    # one aggregation point for /metrics across router replicas; no CPU reserved (a dict sum once a second per router)
+    hub = MetricsHubDeployment.options(**cfg.deployment_options({"ray_actor_options": {"num_cpus": 0}})).bind()
+    return Router.options(name="router", **router).bind(cfg, draft, targets, hub)

@@ -3,6 +3,9 @@ the calling router splits its rounds (`affinity.preferred_order`), so each seque
 holds its KV. The request router runs in the caller's process and publishes the live replica set there
 (`affinity.publish_replicas`), which is what lets the caller split a round into one call per preferred replica; calls
 that meet on a replica still merge into one forward (`@serve.batch`).
+
+Only Serve's public request-router API (`ray.serve.request_router`) is used; the ray versions it is tested with are
+pinned in requirements.txt and bounded in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -10,9 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import RequestRouter
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from .affinity import preferred_order, publish_replicas, router_slot
 
@@ -51,7 +52,10 @@ class SequenceAffinityRouter(RequestRouter):
         """Also publishes the live set to this process's callers (`live_replicas`), so they split rounds the same
         way this router ranks."""
         super().update_replicas(replicas)
-        publish_replicas(self._deployment_id, [r.replica_id.unique_id for r in replicas])
+        if replicas:  # the deployment, from its replicas' ids (public), kept for an update that empties it
+            self._published = replicas[0].replica_id.deployment_id
+        if getattr(self, "_published", None) is not None:
+            publish_replicas(self._published, [r.replica_id.unique_id for r in replicas])
 
 
 def affinity_router_config() -> dict[str, Any]:

@@ -214,10 +214,19 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         None, description="The model whose embedding, norm, head and tokenizer the draft shares (named source, "
         "directory or hub id); default: the `base_model` its s2d_draft.json records, an absolute path of the "
         "machine that trained it: set this where the weights live elsewhere (e.g. /mnt/models/vicuna-7b-v1.5).")
-    call_timeout_s: float = Field(30.0, gt=0, description="A propose call slower than this counts as a draft failure.")
+    call_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a propose call (the first calls', "
+                                  "before the draft's speed is measured); later calls wait call_timeout_margin x the "
+                                  "measured seconds per drafted position, plus call_timeout_floor_s, up to this. A "
+                                  "call past its wait counts as a draft failure.")
+    call_timeout_margin: float = Field(4.0, ge=1, description="The derived wait over the draft's measured worst "
+                                       "seconds per drafted position (recent calls).")
+    call_timeout_floor_s: float = Field(0.5, gt=0, description="Added to the derived wait (transport, the draft's "
+                                        "batch window, pauses).")
     retry_after_s: float = Field(
-        5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry."
+        5.0, ge=0, description="After a draft failure, decode target-only (still lossless) this long, then retry; "
+        "doubled after each failure in a row, up to retry_max_s."
     )
+    retry_max_s: float = Field(60.0, ge=0, description="Longest target-only spell after failures in a row.")
     batch_wait_timeout_s: float = Field(
         0.05, ge=0, description="Most a batch of propose calls is held open for other targets' rounds. The window "
         "adapts below it: a batch waits only for callers whose next round is predicted (from their measured time "
@@ -253,6 +262,10 @@ class RouterOptions(DeploymentOptions):
         "round whole on the process's model thread while no other target of the router has work: one thread hop per "
         "round instead of one per call, no batch queue. False: every round goes through the draft's and the "
         "target's batch queues (what lets rounds of several targets merge into one draft forward).")
+    keepalive_s: float = Field(
+        5.0, gt=0, description="A stream still waiting for its first tokens after 1 s (queued for a decode slot, a "
+        "long prefill) starts with status 200 and sends an SSE comment line (`: keep-alive`) this often until they "
+        "come, so proxies and clients with idle timeouts keep the connection; errors after that are in-band.")
     prefix_routing: PrefixRoutingConfig = Field(
         default_factory=PrefixRoutingConfig, description="Which target and draft replica a new sequence goes to: "
         "where its prompt's first block was cached, within a load bound (docs/SERVING.md; off with prefix_cache).")
@@ -294,6 +307,20 @@ def router_ceiling(router: "RouterOptions") -> int:
 IN_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
+class TenantsConfig(_Strict):
+    """Tenants of the served app and how far their caches are kept apart (RELIABILITY.md, "Tenants")."""
+
+    keys_file: str | None = Field(
+        None, description="YAML or JSON file of API keys by tenant, as sha256 digests (`keys: [{tenant: team-a, "
+        "sha256: <hex of sha256(key)>, operator: false}, ...]`); default: $S2D_API_KEYS_FILE. Read once when a router "
+        "replica starts. With `api_key` / $S2D_API_KEY too, that key is tenant `default`, an operator.")
+    isolation: Literal["tenant", "shared"] = Field(
+        "tenant", description="`tenant`: each tenant's requests fork prefix-cache KV and draft from earlier outputs "
+        "of that tenant only (a request's `cache_salt` narrows this further). `shared`: every request may use every "
+        "request's cached prefixes and outputs (`cache_salt` still separates): faster for a fleet with one tenant, "
+        "but a client can then tell from response times and metrics what others sent.")
+
+
 class AppConfig(_Strict):
     """Everything `serve run deployments/*.yaml` needs: targets, the shared draft, speculation, limits, access."""
 
@@ -306,8 +333,11 @@ class AppConfig(_Strict):
     limits: Limits = Field(default_factory=Limits, description="Request limits.")
     router: RouterOptions = Field(default_factory=RouterOptions, description="Ingress deployment options.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer key required on HTTP requests; default: $S2D_API_KEY; unset = open."
+        None, description="Bearer key required on HTTP requests (tenant `default`, an operator); default: "
+        "$S2D_API_KEY; unset, and no keys file = open, one tenant."
     )
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig, description="API keys by tenant and how far "
+                                   "their caches are kept apart.")
     cache_dir: str | None = Field(None, description="Where converted models live; default $S2D_CACHE_DIR or ~/.cache.")
     trust_remote_code: bool = Field(False, description="Allow models that ship their own code.")
     num_threads: int | None = Field(1, ge=1, description="torch threads in each replica and TP worker.")

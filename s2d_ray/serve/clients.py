@@ -19,6 +19,7 @@ import torch
 from ..core.types import DraftRequest, Proposal, ScoreRequest
 from ..errors import ServiceUnavailableError
 from .affinity import Affinity, live_replicas, split_call
+from .draft_deadline import DeadlinePolicy, DraftDeadline, drafted_positions
 from .replica import InProcessHandle
 from .round_timing import CallTimes
 
@@ -111,18 +112,20 @@ class DeploymentClient:
 
 class DraftClient(DeploymentClient):
     """The engine's drafter: the shared draft deployment, degrading to target-only rounds (empty proposals: still
-    exactly the target's tokens) for `retry_after_s` after a failed call."""
+    exactly the target's tokens) after a failed or late call, for a backoff (draft_deadline.py); the wait for a call
+    follows the draft's measured speed, at most `timeout_s`."""
 
     role = "draft"
 
     def __init__(self, handle: Any, target: str, timeout_s: float, retry_after_s: float,
                  on_fallback: Callable[[], None], affinity: Affinity | None = None,
-                 times: CallTimes | None = None) -> None:
+                 times: CallTimes | None = None, deadline: DraftDeadline | None = None) -> None:
         local = handle.local if isinstance(handle, InProcessHandle) else None  # draft.placement: router
         super().__init__(handle, affinity or Affinity(None, "draft"), times, local)
         self.target = target
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self.on_fallback = on_fallback
+        self.deadline = deadline or DraftDeadline(DeadlinePolicy(timeout_s, retry_after_s))
         self.down_until = 0.0
 
     def propose(self, drafts: list[DraftRequest]) -> list[Proposal] | Awaitable[list[Proposal]]:
@@ -137,11 +140,13 @@ class DraftClient(DeploymentClient):
                 return self.handle.propose.remote(self.target, [drafts[i] for i in idx], [seen[i] for i in idx],
                                                   affinity=key)
 
+            positions = drafted_positions(drafts, seen)
             try:
-                parts = await self._split(drafts, self.timeout_s, call)
+                parts = await self._split(drafts, self.deadline.timeout(positions), call)
             except Exception as exc:
                 self._down(exc)
             else:
+                self.deadline.succeeded(time.perf_counter() - start, positions)
                 return self._answered(drafts, parts, start)
         self.on_fallback()
         return [Proposal.empty() for _ in drafts]
@@ -160,8 +165,9 @@ class DraftClient(DeploymentClient):
         return [Proposal.empty() for _ in drafts]
 
     def _down(self, exc: Exception) -> None:
-        logger.warning("draft failed (%s: %s); target-only for %.0f s", type(exc).__name__, exc, self.retry_after_s)
-        self.down_until = time.monotonic() + self.retry_after_s
+        wait = self.deadline.failed()
+        logger.warning("draft failed (%s: %s); target-only for %.1f s", type(exc).__name__, exc, wait)
+        self.down_until = time.monotonic() + wait
 
     def _answered(self, drafts: list[DraftRequest], parts: list[tuple[list[int], Any]],
                   start: float) -> list[Proposal]:

@@ -1,11 +1,11 @@
-"""The HTTP side of the ingress, apart from its routes: OpenAI-style errors, the bearer-key check, bounded body reads,
+"""The HTTP side of the ingress, apart from its routes: OpenAI-style errors, bounded body reads,
 strict parsing of a request body, and the OpenAPI schema of routes that parse their own bodies."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
+import logging
+import uuid
 from typing import TypeVar
 
 from fastapi import Request
@@ -17,6 +17,7 @@ from ..errors import CapacityError, ModelNotFoundError, RequestError, RequestTim
 from .openai_protocol import error_body
 
 Body = TypeVar("Body", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -41,8 +42,16 @@ def api_error(exc: Exception) -> ApiError:
     if isinstance(exc, CapacityError):
         return ApiError(429, str(exc), "rate_limit_exceeded", type_="rate_limit_error")
     if isinstance(exc, ServiceUnavailableError):
-        return ApiError(503, str(exc), "service_unavailable", type_="server_error")
-    return ApiError(500, "internal error", "internal_error", type_="server_error")
+        return server_error(exc, 503, "service unavailable", "service_unavailable")
+    return server_error(exc, 500, "internal error", "internal_error")
+
+
+def server_error(exc: Exception, status: int, what: str, code: str) -> ApiError:
+    """A 5xx whose body carries an error id and nothing of the exception (its text can name hosts, processes and
+    another request's state); the router's log has the exception under the same id."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error("%s (error id %s)", what, error_id, exc_info=exc)
+    return ApiError(status, f"{what} (error id {error_id})", code, type_="server_error")
 
 
 def error_response(err: ApiError) -> JSONResponse:
@@ -55,28 +64,6 @@ def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
     param = loc[0] if loc else None
     where = ".".join(loc)
     return ApiError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), "invalid_value", param)
-
-
-def authorize(request: Request, api_key: str | None) -> None:
-    """Raise 401 unless the request carries `Authorization: Bearer <api_key>` (no key configured: open)."""
-    if api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer <key>`)",
-                       "invalid_api_key", type_="authentication_error")
-
-
-def store_scope(request: Request, *identities: str | None) -> str:
-    """A request's scope in the store of earlier outputs under `suffix.scope: api_key` (core/suffix.py): a digest of
-    its bearer token and the client's end-user ids (`user`, `safety_identifier`), so no key is kept in the clear;
-    "" for a request that gives none (all anonymous requests share one scope)."""
-    _, _, token = request.headers.get("authorization", "").partition(" ")
-    parts = [token.strip(), *(i or "" for i in identities)]
-    if not any(parts):
-        return ""
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
 async def read_body(request: Request, limit: int) -> bytes:

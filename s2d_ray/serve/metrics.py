@@ -1,7 +1,8 @@
-"""Prometheus metrics of the router, named in vLLM's style (`s2d:spec_decode_num_accepted_tokens_total`, ...).
+"""Prometheus metrics of the router, named in vLLM's style (`vllm:spec_decode_num_accepted_tokens_total`, ...).
 
-One registry per router replica (served at /metrics); every series carries the target as `model`, exit counters
-also the draft exit layer as `exit` (`0`: prompt-lookup candidates).
+One registry per router replica, summed over every router replica by the app's metrics hub (metrics_hub.py) and
+served at /metrics; every series carries the target as `model`, exit counters also the draft exit layer as `exit`
+(`0`: prompt-lookup candidates).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, m, me = self.registry, ["model"], ["model", "exit"]
-        self.draft_tokens = Counter("s2d:spec_decode_num_draft_tokens", "Draft tokens proposed.", m, registry=r)
-        self.accepted_tokens = Counter("s2d:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, registry=r)
-        self.emitted_tokens = Counter("s2d:spec_decode_num_emitted_tokens",
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", m, registry=r)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", m, registry=r)
+        self.emitted_tokens = Counter("vllm:spec_decode_num_emitted_tokens",
                                       "Tokens emitted by verification rounds (accepted + the target's own).", m,
                                       registry=r)
         self.spec_steps = Counter("s2d:spec_decode_num_spec_steps", "Rounds that verified draft tokens.", m, registry=r)
@@ -46,7 +47,7 @@ class ServeMetrics:
                                   registry=r)
         self.exit_accepted = Counter("s2d:spec_decode_num_accepted_tokens_by_exit", "Draft tokens accepted per exit.",
                                      me, registry=r)
-        self.accepted_per_pos = Counter("s2d:spec_decode_num_accepted_tokens_per_pos",
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by depth in the round (position 0 = first).",
                                         ["model", "position"], registry=r)
         self.draft_fallbacks = Counter("s2d:spec_decode_draft_fallback_rounds",
@@ -59,20 +60,20 @@ class ServeMetrics:
             "s2d:call_overhead_seconds", "Per round call to a deployment: wall seconds minus the seconds the replica "
             "spent on it (Ray transport, batching, event loops): what a served round pays over an in-process one.",
             ["model", "deployment"], buckets=CALL_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("s2d:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
-        self.generation_tokens = Counter("s2d:generation_tokens", "Generated tokens.", m, registry=r)
-        self.requests = Counter("s2d:request_success", "Finished requests by finish reason.",
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", m, registry=r)
+        self.requests = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 ["model", "finished_reason"], registry=r)
         self.aborts = Counter("s2d:request_aborts", "Requests aborted before finishing (client gone, timeout, error).",
                               ["model", "reason"], registry=r)
         self.errors = Counter("s2d:request_errors", "Failed requests by HTTP status.", ["model", "status"], registry=r)
-        self.running = Gauge("s2d:num_requests_running", "Sequences being decoded.", m, registry=r)
-        self.waiting = Gauge("s2d:num_requests_waiting", "Requests queued for a decode slot.", m, registry=r)
-        self.e2e = Histogram("s2d:e2e_request_latency_seconds", "Request latency.", m, buckets=LATENCY_BUCKETS,
+        self.running = Gauge("vllm:num_requests_running", "Sequences being decoded.", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for a decode slot.", m, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", m, buckets=LATENCY_BUCKETS,
                              registry=r)
-        self.ttft = Histogram("s2d:time_to_first_token_seconds", "Time to first token.", m, buckets=LATENCY_BUCKETS,
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", m, buckets=LATENCY_BUCKETS,
                               registry=r)
-        self.tpot = Histogram("s2d:time_per_output_token_seconds", "Mean time per output token after the first.", m,
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first.", m,
                               buckets=TOKEN_LATENCY_BUCKETS, registry=r)
         self.mat = Histogram("s2d:request_mean_acceptance_length", "Tokens per target forward (bonus included).", m,
                              buckets=MAT_BUCKETS, registry=r)

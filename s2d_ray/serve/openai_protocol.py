@@ -146,7 +146,11 @@ class OpenAIFields(SamplingFields):
     n: int = Field(1, ge=1, description="Independent samples per prompt (bounded by limits.max_choices).")
     stream: bool = Field(False, description="Server-sent events, one chunk per round.")
     user: str | None = Field(None, description="Accepted without effect on the output (request_fields.IGNORED); "
-                             "with `suffix.scope: api_key` it keys the store of earlier outputs (docs/CACHING.md).")
+                             "with `suffix.scope: api_key` it narrows the tenant's store of earlier outputs to this "
+                             "end user (docs/CACHING.md).")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="As vLLM's: requests share "
+                                   "cached prefixes (and earlier outputs) only with requests of the same tenant and "
+                                   "the same salt. No effect on the output.")
     metadata: dict[str, Any] | None = Field(None, description="Accepted without effect.")
     store: bool | None = Field(None, description="Accepted without effect: nothing is stored.")
     service_tier: str | None = Field(None, description="Accepted without effect: one tier.")
@@ -261,9 +265,14 @@ class GenerateRequest(SamplingFields):
     prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
     tools: list[Tool] | None = Field(None, description="Functions the model may call (with messages).")
     tool_choice: ToolChoice | None = Field(None, description="As OpenAI's chat tool_choice.")
-    suffix_scope: str | None = Field(None, description="Whose earlier outputs this request drafts from and adds to "
-                                     "under `suffix.scope: api_key` (docs/CACHING.md); the HTTP API derives it from "
-                                     "the bearer key and `user`. The output is the same whatever it is.")
+    suffix_scope: str | None = Field(None, description="Whose earlier outputs, within the tenant, this request drafts "
+                                     "from and adds to under `suffix.scope: api_key` (docs/CACHING.md); the HTTP API "
+                                     "derives it from `user` / `safety_identifier`. The output is the same whatever "
+                                     "it is.")
+    tenant: str | None = Field(None, max_length=64, description="The tenant the request runs as: its prefix cache and "
+                               "store of earlier outputs (tenants.isolation). The HTTP API sets it from the bearer "
+                               "key; handle callers are trusted code and name it.")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="As the HTTP field.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":

@@ -33,7 +33,7 @@ UNSUPPORTED = {
         "prompt_logprobs", "use_beam_search", "logits_processors", "chat_template", "chat_template_kwargs",
         "add_generation_prompt", "continue_final_message", "documents", "priority", "skip_special_tokens",
         "spaces_between_special_tokens", "return_tokens_as_token_ids", "add_special_tokens", "mm_processor_kwargs",
-        "cache_salt", "kv_transfer_params", "vllm_xargs", "top_a", "typical_p")},
+        "kv_transfer_params", "vllm_xargs", "top_a", "typical_p")},
 }
 
 

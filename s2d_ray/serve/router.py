@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import replace
@@ -25,20 +24,22 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..build import assemble_engine, draft_base_source, load_profile, set_threads
-from ..errors import ModelNotFoundError, RequestTimeoutError, S2DError
+from ..errors import ModelNotFoundError, RequestTimeoutError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
 from .affinity import Affinity, each_replica
 from .app_config import AppConfig
 from .choices import first_items, gather_all, merge
 from .clients import DraftClient, TargetClient
+from .draft_deadline import DeadlinePolicy, DraftDeadline
 from .events import Event, coalesced
 from .http_api import (
-    ApiError, api_error, authorize, body_schema, error_response, parse_body, read_body, store_scope,
-    validation_error,
+    ApiError, api_error, body_schema, error_response, parse_body, read_body, validation_error,
 )
+from .keepalive import keepalive, settled_within
 from .loaders import load_tokenizer
 from .metrics import ServeMetrics, prefix_cache_totals
+from .metrics_hub import HubPusher
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
@@ -46,7 +47,9 @@ from .openai_protocol import (
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id, target_window
 from .round_timing import CallTimes
+from .health import ReadinessProbe, serve_status_reader, with_status
 from .scheduler import TargetScheduler
+from .tenants import TenantKeys, end_user_scope, scoped_seq_id, store_scope
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(ApiError(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else None))
 
 
+FIRST_WAIT_S = 1.0  # a stream's status waits this long for its first tokens, then it starts with keep-alives
 STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
 
 
@@ -95,13 +99,13 @@ async def _await(response):
 @serve.deployment(name="router")
 @serve.ingress(app)
 class Router:
-    def __init__(self, cfg: AppConfig, draft, targets: dict) -> None:
+    def __init__(self, cfg: AppConfig, draft, targets: dict, metrics_hub=None) -> None:
         gc_pauses()  # this process's collections, loading included
         set_threads(1)
         self.cfg = cfg
-        key = cfg.api_key.get_secret_value() if cfg.api_key else os.environ.get("S2D_API_KEY")
-        self._api_key = key or None
+        self.tenants = TenantKeys.from_config(cfg.api_key, cfg.tenants)  # who may call, and their cache scopes
         self.metrics = ServeMetrics()
+        self.metrics_hub = metrics_hub  # metrics_hub.py: /metrics over every router replica
         if draft is None and cfg.uses_draft:  # draft.placement: router
             from .draft_deployment import draft_in_router
 
@@ -115,6 +119,11 @@ class Router:
         self.affinity = uuid.uuid4().hex  # this router's routing key: its rounds stay on one replica per deployment
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
         self.replica = replica_id()
+        self.pusher = HubPusher(metrics_hub, self.replica, self.metrics.registry)
+        self.readiness = ReadinessProbe(
+            serve_status_reader(serve.get_replica_context().app_name),
+            {t.name: None if t.placement == "router" else f"target-{t.name}" for t in cfg.targets},  # build_app's names
+            "draft" if cfg.draft_deployment else None)
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
@@ -122,9 +131,10 @@ class Router:
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
-        logger.info("router: targets %s (sequences admitted at once %s), draft %s, auth %s", sorted(self.models),
-                    {n: s.max_running for n, s in self.schedulers.items()},
-                    cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
+        logger.info("router: targets %s (sequences admitted at once %s), draft %s, tenants %s (isolation %s)",
+                    sorted(self.models), {n: s.max_running for n, s in self.schedulers.items()},
+                    cfg.draft.source if cfg.uses_draft else None, self.tenants.names or "none: open",
+                    cfg.tenants.isolation)
 
     def _model_info(self, name: str) -> ModelInfo:
         spec = self.cfg.target(name)
@@ -157,7 +167,10 @@ class Router:
         affinity = Affinity(self.affinity, "draft", self.metrics.recomputed_tokens, self._routing)
         self.affinities.append(affinity)
         times = CallTimes(observe=self.metrics.call_overhead.labels(name, "draft").observe)
-        return DraftClient(self.draft_handle, name, self.cfg.draft.call_timeout_s, self.cfg.draft.retry_after_s,
+        d = self.cfg.draft
+        deadline = DraftDeadline(DeadlinePolicy(d.call_timeout_s, d.retry_after_s, d.retry_max_s,
+                                                d.call_timeout_margin, d.call_timeout_floor_s))
+        return DraftClient(self.draft_handle, name, d.call_timeout_s, d.retry_after_s, deadline=deadline,
                            on_fallback=self.metrics.draft_fallbacks.labels(name).inc, affinity=affinity, times=times)
 
     @property
@@ -236,24 +249,42 @@ class Router:
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict:
-        authorize(request, self._api_key)
+        self.tenants.authenticate(request)
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context}
             for m in self.models.values()]}
 
     @app.get("/health")
-    async def health(self) -> JSONResponse:
-        """200 when every target deployment answers within STATS_TIMEOUT_S (a failing draft is reported, not fatal:
-        requests go on target-only); 503 with the failures otherwise."""
+    async def health(self) -> dict:
+        """Liveness: this router replica answers (local: no call to any deployment). Models: /health/ready."""
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness of every model (health.py); 200 while at least one model is ready, so one target reloading
+        does not take the others out of a load balancer."""
+        ready = await self.readiness.check()
+        return JSONResponse(ready.body(), status_code=200 if any(ready.models.values()) else 503)
+
+    @app.get("/health/ready/{model}")
+    async def model_ready(self, model: str) -> JSONResponse:
+        """One model's readiness: 200 or 503 (a load balancer pool per model probes this)."""
+        if model not in self.models:
+            raise ApiError(404, f"model {model!r} is not served here", "model_not_found", "model")
+        ready = await self.readiness.check()
+        return JSONResponse({"model": model, "ready": ready.models[model]},
+                            status_code=200 if ready.models[model] else 503)
+
+    @app.get("/stats")
+    async def stats_view(self, request: Request) -> JSONResponse:
+        """Every deployment's state (replica ids, nodes, processes, caches of every tenant, failures): an operator's
+        key (tenants.py). "degraded": the draft fails (rounds go target-only); "failing": a target does."""
+        self.tenants.require_operator(request)
         try:  # each deployment's call is bounded at STATS_TIMEOUT_S and they run at once; this bounds the rest
             stats = await asyncio.wait_for(self.stats(), STATS_TIMEOUT_S + 5.0)
         except Exception as exc:
-            return JSONResponse({"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
-        bad = [n for n, t in stats["targets"].items() if "error" in t["deployment"]]
-        if stats["draft"] is not None and "error" in stats["draft"]:
-            bad.append("draft")  # requests still succeed (target-only), so report but stay 200
-        status = 503 if any(n != "draft" for n in bad) else 200
-        return JSONResponse({"status": "ok" if not bad else "degraded", "failing": bad, **stats}, status_code=status)
+            return JSONResponse({"status": "failing", "error": f"{type(exc).__name__}: {exc}"})
+        return JSONResponse(with_status(stats))
 
     async def check_health(self) -> None:
         """Serve's periodic check: the draft and targets placed here answer on their model threads, and their idle
@@ -262,42 +293,48 @@ class Router:
             await handle.check_health.remote()
 
     @app.get("/metrics")
-    async def prometheus(self) -> Response:
-        if self.cfg.uses_draft:
-            self.metrics.record_draft(await _call_stats(self.draft_handle))
-        for name in self.schedulers:  # the prefix cache counters live in the target replicas
-            for stats in await _replica_stats(self.target_handles[name]):
-                self.metrics.record_prefix_cache(name, stats)
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(self, request: Request) -> Response:
+        """Prometheus text of the whole app (every router replica, through the metrics hub): every tenant's figures,
+        so an operator's key (open when the app has no keys)."""
+        self.tenants.require_operator(request)
+        if self.metrics_hub is None:  # a router built outside build_app: this replica's own counters
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        draft = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
+        # the prefix cache counters live in the target replicas
+        prefix = {name: await _replica_stats(self.target_handles[name]) for name in self.schedulers}
+        await self.pusher.push()  # this replica's counters as of now
+        body = await self.metrics_hub.render.remote(draft, prefix)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def _openai(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest],
                       chat: bool) -> Response:
         model = "unknown"
         try:
-            authorize(request, self._api_key)
+            tenant = self.tenants.authenticate(request)
             oreq = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), kind)
             try:
                 greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
                 raise validation_error(exc) from None
-            if self.cfg.suffix.enabled and self.cfg.suffix.scope == "api_key":
-                scope = store_scope(request, oreq.user, oreq.safety_identifier)
-                greqs = [g.model_copy(update={"suffix_scope": scope}) for g in greqs]
+            scoped = {"tenant": tenant.name, "cache_salt": oreq.cache_salt,
+                      "suffix_scope": end_user_scope(oreq.user, oreq.safety_identifier)}
+            greqs = [g.model_copy(update=scoped) for g in greqs]
             info = self._info(oreq.model)
             model = info.name
             ids = ResponseIds(chat)
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
             if oreq.stream:
                 streams = [self._run(g) for g in greqs]
-                firsts = await first_items(streams)  # admission errors (404, 400, 429) still get an HTTP status
-                return StreamingResponse(self._sse(ids, model, views, firsts, streams, oreq.n),
-                                         media_type="text/event-stream")
+                # admission errors (404, 400, 429) still get an HTTP status; a queued stream starts with keep-alives
+                pending = asyncio.ensure_future(first_items(streams))
+                waiting = not await settled_within(pending, min(FIRST_WAIT_S, self.cfg.router.keepalive_s))
+                sse = (self._sse_queued(pending, ids, model, views, streams, oreq.n) if waiting else
+                       self._sse(ids, model, views, pending.result(), streams, oreq.n))
+                return StreamingResponse(sse, media_type="text/event-stream")
             resps = await gather_all([self.generate(g) for g in greqs])
             return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
-            err = api_error(exc)
-            if err.status >= 500 and not isinstance(exc, (ApiError, S2DError)):
-                logger.exception("unexpected error")
+            err = api_error(exc)  # a 5xx's exception goes to the log with the id the client gets
             self.metrics.errors.labels(model, str(err.status)).inc()
             return error_response(err)
 
@@ -316,6 +353,20 @@ class Router:
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
                           oreq.return_token_ids, greq.tool_mode)
 
+    async def _sse_queued(self, pending: asyncio.Future, ids: ResponseIds, model: str, views: list[ChoiceView],
+                          streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
+        """keepalive.py: comment lines until the first tokens, then the stream; an error before them in-band."""
+        async for line in keepalive(pending, self.cfg.router.keepalive_s):
+            yield line
+        try:
+            firsts = pending.result()
+        except Exception as exc:
+            yield self._error_event(exc, model)
+            yield "data: [DONE]\n\n"
+            return
+        async for part in self._sse(ids, model, views, firsts, streams, n):
+            yield part
+
     async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
                    streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
         """One chunk per round per choice; several choices end with one usage chunk. Closing this (the client
@@ -332,18 +383,25 @@ class Router:
                     body = usage_chunk(ids, model, total_usage(parts, n), [p.metrics for p in parts])
                     yield f"data: {json.dumps(body)}\n\n"
             except Exception as exc:  # after the first byte the status is sent: report in-band, like OpenAI
-                err = api_error(exc)
-                self.metrics.errors.labels(model, str(err.status)).inc()
-                yield f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
+                yield self._error_event(exc, model)
         yield "data: [DONE]\n\n"
+
+    def _error_event(self, exc: Exception, model: str) -> str:
+        err = api_error(exc)
+        self.metrics.errors.labels(model, str(err.status)).inc()
+        return f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
 
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
         info = self._info(req.model)
+        self.pusher.start()
         gen = to_generation(info, req, self.cfg.limits)
-        if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
-            gen = replace(gen, suffix_scope=req.suffix_scope)
+        # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
+        # outputs under `suffix.scope: api_key` also its end user.
+        scope = self.tenants.cache_scope(req.tenant, req.cache_salt)
+        end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
+        gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from serve_helpers import HTTP_TIMEOUT, replica_actor
+from serve_helpers import AUTH, HTTP_TIMEOUT, replica_actor
 
 _SERVE_CONFTEST = Path(__file__).with_name("conftest.py")
 
@@ -66,9 +66,11 @@ def replica_memory_mib(app: str, deployment: str) -> float:
     return in_replica(app, deployment, measure)
 
 
-def metric(url: str, series: str) -> float:
-    """The value of one Prometheus series of a router (0 when it does not exist yet)."""
-    text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT).text
+def metric(url: str, series: str, headers: dict | None = None) -> float:
+    """The value of one Prometheus series of the app (0 when it does not exist yet); `headers`: an operator key."""
+    resp = httpx.get(f"{url}/metrics", headers=AUTH if headers is None else headers, timeout=HTTP_TIMEOUT)
+    assert resp.status_code == 200, resp.text  # a refused scrape must not read as 0
+    text = resp.text
     m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 

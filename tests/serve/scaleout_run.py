@@ -1,7 +1,7 @@
 """A scale-out check as one command: deploy deployments/replicas.yaml (2 replicas each of router, draft and target;
 `--replicas 1` for the baseline) on a private local Ray, send streaming requests at concurrency 16 with
 `s2d bench serve`'s load, and print one JSON line: tok/s, errors, generated and recomputed tokens (per deployment and
-replica, from every router's /health), and the peak RSS of every replica process (sampled during the load).
+replica, from every router's /stats), and the peak RSS of every replica process (sampled during the load).
 
     PYTHONPATH=$PWD timeout 1800 .venv/bin/python tests/serve/scaleout_run.py --requests 32
 
@@ -92,7 +92,7 @@ class PeakRss:
 def router_health(url: str, routers: int) -> list[dict]:
     seen: dict[str, dict] = {}
     for _ in range(200):
-        body = httpx.get(f"{url}/health", timeout=30).json()
+        body = httpx.get(f"{url}/stats", timeout=30).json()
         seen[body["router"]] = body
         if len(seen) == routers:
             break

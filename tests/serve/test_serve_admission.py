@@ -1,5 +1,5 @@
 """Admission from memory, served: a target sized by `memory_fraction` to hold 2 KV rows makes the router run at most 2
-of its sequences at once; the others queue (no error, no eviction) and every answer is still plain greedy's. /health
+of its sequences at once; the others queue (no error, no eviction) and every answer is still plain greedy's. /stats
 names the device and dtype of the router and of the target replica."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from conftest import deploy, undeploy
-from serve_helpers import HTTP_TIMEOUT, Reference
+from serve_helpers import AUTH, HTTP_TIMEOUT, Reference
 from s2d_ray.core.engine import GenerationRequest
 from s2d_ray.models.capacity import GIB, ModelShape, read_model_config
 
@@ -85,7 +85,7 @@ def test_sequences_beyond_the_rows_queue_and_still_decode_exactly(admission_app,
 
 
 def test_health_names_each_processs_device_and_dtype(admission_app):
-    health = httpx.get(f"{admission_app.url}/health", timeout=HTTP_TIMEOUT).json()
+    health = httpx.get(f"{admission_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
     assert (health["device"], health["dtype"]) == ("cpu", None)  # the router samples on the CPU, holds no model
     deployment = health["targets"]["tiny-a"]["deployment"]
     assert (deployment["device"], deployment["dtype"]) == ("cpu", "float64")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from reliability_helpers import delete_app, deploy_app
-from serve_helpers import API_KEY, HTTP_TIMEOUT, wait_until
+from serve_helpers import API_KEY, AUTH, HTTP_TIMEOUT, wait_until
 
 pytestmark = pytest.mark.serve
 
@@ -77,7 +77,7 @@ def test_one_routers_sequences_spread_over_replicas_and_stay_on_theirs(spread_ap
     draft = stats["draft"].values()
     assert sum(s["num_rows"] for s in draft) >= 2 * sum(s["num_calls"] for s in draft), list(draft)
 
-    health = httpx.get(f"{spread_app.url}/health", timeout=HTTP_TIMEOUT).json()
+    health = httpx.get(f"{spread_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
     recomputed = {d: sum(per.values()) for d, per in health["recomputed_tokens"].items()}
     assert recomputed.get("draft", 0) == 0 and recomputed.get("target-tiny-a", 0) == 0, recomputed
 

@@ -31,7 +31,7 @@ def test_deployment_yaml_is_valid_for_serve_and_for_us(path):
         assert app.import_path == "s2d_ray.serve:build_app"
         cfg = AppConfig.model_validate(app.args)
         names = [d.name for d in _deployments(build_app(app.args))]
-        expected = {"router", *(f"target-{t.name}" for t in cfg.deployed_targets)}  # placed ones: in the router
+        expected = {"router", "metrics", *(f"target-{t.name}" for t in cfg.deployed_targets)}  # placed: in the router
         expected |= {"draft"} if cfg.draft_deployment else set()
         assert set(names) == expected
 
@@ -60,14 +60,14 @@ def test_every_deployment_runs_in_loop_unless_told_otherwise():
                          "ray_actor_options": {"runtime_env": {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
                                                                             "X": "y"}, "pip": ["six"]}}}]}
     envs = {d.name: d.ray_actor_options.get("runtime_env", {}) for d in _deployments(build_app(args))}
-    assert set(envs) == {"router", "draft", "target-t"}
-    for name in ("router", "draft"):
+    assert set(envs) == {"router", "draft", "target-t", "metrics"}
+    for name in ("router", "draft", "metrics"):
         assert envs[name] == {"env_vars": IN_LOOP_ENV}
     assert envs["target-t"] == {"pip": ["six"], "env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                                                              "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "X": "y"}}
     args["serve_in_loop"] = False
     envs = {d.name: d.ray_actor_options.get("runtime_env", {}) for d in _deployments(build_app(args))}
-    assert envs == {"router": {}, "draft": {}, "target-t": {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+    assert envs == {"router": {}, "draft": {}, "metrics": {}, "target-t": {"env_vars": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
                                                                           "X": "y"}, "pip": ["six"]}}
 
 

@@ -1,7 +1,7 @@
 """`draft.placement: router` and a target's `placement: router`: the router loads the shared draft and one target
 and runs both on its one model thread. Served greedy still equals in-process target-only greedy for two targets
 decoding at once (one in the router, one a deployment), neither the draft nor the placed target has a deployment, and
-/health reports both from the router's process, their KV released."""
+/stats reports both from the router's process, their KV released."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import concurrent.futures
 import httpx
 import pytest
 
-from serve_helpers import HTTP_TIMEOUT, Reference, post
+from serve_helpers import AUTH, HTTP_TIMEOUT, Reference, post
 
 pytestmark = pytest.mark.serve
 
@@ -55,7 +55,7 @@ def test_no_draft_deployment_and_greedy_equals_target_only(placed_app, tiny_fami
         drafted += body["metrics"]["speculative_decoding"]["num_draft_tokens"]
     assert drafted > 0  # the draft in the router really proposed
 
-    r = httpx.get(f"{placed_app.url}/health", timeout=HTTP_TIMEOUT)
+    r = httpx.get(f"{placed_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT)
     assert r.status_code == 200 and r.json()["status"] == "ok", r.text
     draft = r.json()["draft"]
     assert draft["replica"] == r.json()["router"]  # the draft runs in the router's process
@@ -72,7 +72,7 @@ def test_a_placed_target_alone_runs_whole_rounds_on_the_model_thread(placed_app,
     every sequence's KV (draft and target) released on that thread."""
 
     def whole() -> int:
-        r = httpx.get(f"{placed_app.url}/health", timeout=HTTP_TIMEOUT)
+        r = httpx.get(f"{placed_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT)
         assert r.status_code == 200, r.text
         rounds = r.json()["targets"]["tiny-b"]["timing"]["round"]
         return rounds["whole"], rounds["rounds"], r.json()

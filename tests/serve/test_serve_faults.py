@@ -8,13 +8,13 @@ import json
 import httpx
 import pytest
 
-from serve_helpers import HTTP_TIMEOUT, Reference, replica_actor, wait_until
+from serve_helpers import AUTH, HTTP_TIMEOUT, Reference, replica_actor, wait_until
 
 pytestmark = pytest.mark.serve
 
 
 def _fallback_rounds(app) -> float:
-    text = httpx.get(f"{app.url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     line = next((ln for ln in text.splitlines()
                  if ln.startswith('s2d:spec_decode_draft_fallback_rounds_total{model="tiny-a"}')), None)
     return float(line.split()[-1]) if line else 0.0
@@ -42,8 +42,8 @@ def test_draft_death_mid_request_is_lossless_and_speculation_resumes(faults_app,
     assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text(expected)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert _fallback_rounds(faults_app) > 0
-    health = httpx.get(f"{faults_app.url}/health", timeout=HTTP_TIMEOUT)
-    assert health.status_code == 200  # the targets still serve; the draft is reported, not fatal
+    ready = httpx.get(f"{faults_app.url}/health/ready/tiny-a", timeout=HTTP_TIMEOUT)
+    assert ready.status_code == 200  # the target still serves; a draft down never makes a model unready
 
     def speculating() -> bool:
         out = httpx.post(f"{faults_app.url}/v1/completions", timeout=HTTP_TIMEOUT, json={

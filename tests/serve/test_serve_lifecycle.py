@@ -94,25 +94,25 @@ def test_disconnect_aborts_and_frees_kv_on_draft_and_target(tiny_app, ref64):
 
 
 def _metric(app, series: str) -> float:
-    text = httpx.get(f"{app.url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
 def test_metrics_count_speculation_per_model_and_exit(tiny_app):
-    before = _metric(tiny_app, 's2d:spec_decode_num_draft_tokens_total{model="tiny-a"}')
+    before = _metric(tiny_app, 'vllm:spec_decode_num_draft_tokens_total{model="tiny-a"}')
     resp = post(f"{tiny_app.url}/v1/completions", {"model": "tiny-a", "prompt": "def add(a, b):", "max_tokens": 16,
                                                    "temperature": 0}).json()
     spec = resp["metrics"]["speculative_decoding"]
-    after = _metric(tiny_app, 's2d:spec_decode_num_draft_tokens_total{model="tiny-a"}')
+    after = _metric(tiny_app, 'vllm:spec_decode_num_draft_tokens_total{model="tiny-a"}')
     assert after - before == spec["num_draft_tokens"] > 0
-    text = httpx.get(f"{tiny_app.url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{tiny_app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     exits = {re.search(r'exit="(\d+)"', line).group(1) for line in text.splitlines()
              if line.startswith("s2d:spec_decode_num_draft_tokens_by_exit_total{") and 'model="tiny-a"' in line}
     assert exits and exits <= {"1", "2", "3"}
-    for name in ("s2d:spec_decode_num_accepted_tokens_total", "s2d:spec_decode_num_emitted_tokens_total",
-                 "s2d:time_to_first_token_seconds_bucket", "s2d:e2e_request_latency_seconds_count",
-                 "s2d:request_success_total"):
+    for name in ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_emitted_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_success_total"):
         assert name in text
 
 

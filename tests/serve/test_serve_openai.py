@@ -118,13 +118,13 @@ def test_n_seeded_samples_are_independent_and_reproducible(tiny_app):
 
 
 def test_n_choices_prefill_a_long_prompt_once(tiny_app, ref):
-    """n choices of a long prompt: the target copies one row's prompt KV into the others (forked tokens in /health),
+    """n choices of a long prompt: the target copies one row's prompt KV into the others (forked tokens in /stats),
     and every choice still equals a single request with its seed."""
     prompt = " ".join(f"item {i} is {i * 7 % 13};" for i in range(12))
     assert len(ref.ids(prompt)) > 40
 
     def forked() -> int:
-        health = httpx.get(f"{tiny_app.url}/health", timeout=HTTP_TIMEOUT).json()
+        health = httpx.get(f"{tiny_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
         return health["targets"]["tiny-a"]["deployment"]["num_forked_tokens"]
 
     before = forked()

@@ -1,4 +1,4 @@
-"""Served prefix cache: requests sharing a system prompt hit the target's cache (in /metrics and /health) and their
+"""Served prefix cache: requests sharing a system prompt hit the target's cache (in /metrics and /stats) and their
 outputs equal target-only greedy decoding with no cache at all."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from serve_helpers import HTTP_TIMEOUT, post
+from serve_helpers import AUTH, HTTP_TIMEOUT, post
 from s2d_ray.build import build_engine
 from s2d_ray.config import DraftConfig, EngineConfig, PrefixCacheConfig, SpecConfig, TargetConfig
 from s2d_ray.core.engine import GenerationRequest
@@ -27,13 +27,13 @@ def uncached(tiny_family):
 
 
 def metric(app, series: str) -> float:
-    text = httpx.get(f"{app.url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     m = re.search(rf"^{re.escape(series)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
 def target_stats(app) -> dict:
-    return httpx.get(f"{app.url}/health", timeout=HTTP_TIMEOUT).json()["targets"]["tiny-a"]["deployment"]
+    return httpx.get(f"{app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()["targets"]["tiny-a"]["deployment"]
 
 
 def test_shared_system_prompt_hits_the_cache_and_equals_no_cache(tiny_app, uncached):

@@ -1,9 +1,9 @@
 """Prefix routing served (real Ray Serve, 127.0.0.1, tiny float64 models): 2 routers, 2 draft and 2 target replicas.
 Requests sharing a system prompt, sent two at a time so the proxy spreads them over both routers, find it cached on
-the replica each router sends them to: the target replicas' hits (summed by /health over every replica) reach 80% of
+the replica each router sends them to: the target replicas' hits (summed by /stats over every replica) reach 80% of
 what ONE in-process engine gets for the same prompts, and every output equals target-only greedy without a cache.
 Without prefix routing the two routers' home replicas each compute every system prompt (tests/unit/
-test_prefix_routing.py, the negative control). Also: a tensor-parallel target's counters reach /health."""
+test_prefix_routing.py, the negative control). Also: a tensor-parallel target's counters reach /stats."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from reliability_helpers import delete_app, deploy_app, serve_conftest
-from serve_helpers import API_KEY, HTTP_TIMEOUT, post
+from serve_helpers import API_KEY, AUTH, HTTP_TIMEOUT, post
 from s2d_ray.build import build_engine
 from s2d_ray.config import DraftConfig, EngineConfig, PrefixCacheConfig, SpecConfig, TargetConfig
 from s2d_ray.core.engine import GenerationRequest
@@ -49,7 +49,7 @@ def engine(tiny_family, cached: bool):
 
 
 def target_health(app, model: str = "tiny-a") -> dict:
-    return httpx.get(f"{app.url}/health", timeout=HTTP_TIMEOUT).json()["targets"][model]
+    return httpx.get(f"{app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()["targets"][model]
 
 
 def test_two_routers_two_targets_find_shared_prefixes_cached(routed_app, tiny_family):
@@ -77,7 +77,7 @@ def test_two_routers_two_targets_find_shared_prefixes_cached(routed_app, tiny_fa
     totals = target_health(routed_app)["prefix_cache"]
     assert totals["replicas"] == 2, totals
     assert reference > 0 and totals["prefix_cache_hits"] >= 0.8 * reference, (totals, reference)
-    health = httpx.get(f"{routed_app.url}/health", timeout=HTTP_TIMEOUT).json()
+    health = httpx.get(f"{routed_app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
     assert sum(health["recomputed_tokens"].get("target-tiny-a", {}).values()) == 0, health["recomputed_tokens"]
 
 

@@ -79,7 +79,7 @@ def _freed(app) -> bool:
 def test_request_timeout_gives_504_and_frees_kv(limits_app):
     url = f"{limits_app.url}/v1/completions"
     series = 's2d:request_aborts_total{model="tiny-a",reason="timeout"}'
-    aborts = metric(limits_app.url, series)
+    aborts = metric(limits_app.url, series, KEY)
     short = post(url, {**LONG, "max_tokens": 1}, headers=KEY)
     assert short.status_code == 200, short.text  # the app serves; only long requests run out of time
     started = time.monotonic()
@@ -96,7 +96,7 @@ def test_request_timeout_gives_504_and_frees_kv(limits_app):
     else:
         assert status == 504, events
     wait_until(lambda: _freed(limits_app), timeout_s=30)
-    assert metric(limits_app.url, series) == aborts + 2
+    assert metric(limits_app.url, series, KEY) == aborts + 2
 
 
 def test_idle_ttl_drops_state_a_dead_router_left(limits_app):

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from reliability_helpers import delete_app, deploy_app
-from serve_helpers import API_KEY, HTTP_TIMEOUT, wait_until
+from serve_helpers import API_KEY, AUTH, HTTP_TIMEOUT, wait_until
 from test_serve_soak import SPEC, check, plan, refs, run_job, run_phase  # noqa: F401  (refs is a fixture)
 
 pytestmark = pytest.mark.serve
@@ -53,11 +53,11 @@ def scale_app(serve_instance, tiny_family):
 
 
 def router_stats(app) -> dict[str, dict]:
-    """/health detail of every router replica (HTTP lands on either; poll until both answered)."""
+    """/stats detail of every router replica (HTTP lands on either; poll until both answered)."""
     seen: dict[str, dict] = {}
 
     def both() -> bool:
-        body = httpx.get(f"{app.url}/health", timeout=HTTP_TIMEOUT).json()
+        body = httpx.get(f"{app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()
         seen[body["router"]] = body
         return len(seen) == 2
 
@@ -212,7 +212,7 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         decided: dict[str, float] = {}  # seconds from the load's start until the controller started a second replica
         reached: dict[str, float] = {}  # ... until it ran
         messages: dict[str, set[str]] = {}
-        busy = {"load": 0.0, "quiet": 0.0}  # the highest draft busy fraction the routers' /health showed, per phase
+        busy = {"load": 0.0, "quiet": 0.0}  # the highest draft busy fraction the routers' /stats showed, per phase
         low: dict[str, int] = {}  # the fewest running replicas each deployment had once the load ended
         samples: list[float] = []
         phase = ["load"]

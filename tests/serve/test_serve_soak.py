@@ -231,7 +231,7 @@ def drain(app, timeout_s: float = 90.0) -> None:
     while (left := leftover_state(app)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
-        lines = httpx.get(f"{app.url}/metrics", timeout=HTTP_TIMEOUT).text.splitlines()
+        lines = httpx.get(f"{app.url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text.splitlines()
         prefixes = ("s2d:request_aborts", "s2d:request_errors", "s2d:spec_decode_draft_fallback")
         counters = [ln for ln in lines if ln.startswith(prefixes)]
         raise AssertionError(f"state left after {timeout_s} s: {left}; stats {app.handle.stats.remote().result()}; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serve_helpers import HTTP_TIMEOUT, Reference, post
+from serve_helpers import AUTH, HTTP_TIMEOUT, Reference, post
 
 APP = "suffix"
 PROMPT = "the store keeps what the model said before, and proposes it again"
@@ -25,7 +25,7 @@ def suffix_app(serve_instance, tiny_family):
 
 
 def store_stats(app, target: str) -> dict:
-    return httpx.get(f"{app.url}/health", timeout=HTTP_TIMEOUT).json()["targets"][target]["suffix"]
+    return httpx.get(f"{app.url}/stats", headers=AUTH, timeout=HTTP_TIMEOUT).json()["targets"][target]["suffix"]
 
 
 def complete(app, target: str, user: str) -> str:

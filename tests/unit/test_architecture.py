@@ -102,6 +102,12 @@ def test_core_imports_only_torch_the_standard_library_and_itself():
     assert not bad, "core/ must import only torch, the standard library and core/ itself:\n" + "\n".join(bad)
 
 
+def test_no_private_ray_import():
+    """Only Ray's public APIs (a private module can change in any release)."""
+    bad = sorted(where(i) for i in graph() if i.target.startswith("ray.") and "._private" in i.target + ".")
+    assert not bad, "private Ray modules imported:\n" + "\n".join(bad)
+
+
 def test_every_part_has_a_layer():
     unknown = sorted({part(m) for m in modules()} - set(LAYERS) - {""})
     assert not unknown, f"parts of {PACKAGE} with no layer in the architecture: {unknown}"

@@ -240,7 +240,7 @@ def test_bad_bench_arguments_are_one_line_errors(tiny_dir, questions_file, tmp_p
     err = [line for line in captured.splitlines() if line.startswith("s2d: error: ")]  # (loaders print progress)
     assert len(err) == 7 and "Traceback" not in captured
     assert "warp-drive" in err[1] and "poetry" in err[2]
-    assert "repeats a target" in err[4] and "no /health from" in err[6]
+    assert "repeats a target" in err[4] and "no /stats from" in err[6]
 
 
 def test_steps_report_on_a_tiny_model(tiny_dir, questions_file, tmp_path, capsys):
@@ -271,7 +271,7 @@ def _free_port() -> int:
 def sse_server():
     """A stand-in OpenAI streaming endpoint on 127.0.0.1 (the real router replaces it once it exists):
     5 chunks of 2 tokens (10 of 1 with `speculate: false`), usage last; prompt "FAIL" -> 400, prompt "HANG" -> never
-    answers. /health has the router's clocks for model "m": a round, a target call and a draft call per chunk (20 ms
+    answers. /stats has the router's clocks for model "m": a round, a target call and a draft call per chunk (20 ms
     rounds, 15 ms target calls of which the replica spent 10, its model thread 8 of CPU; 7 ms draft calls, 6 in the
     draft, 4 of them its CPU)."""
     import asyncio
@@ -283,7 +283,7 @@ def sse_server():
     app = FastAPI()
     chunks_sent = [0]
 
-    @app.get("/health")
+    @app.get("/stats")
     async def health():
         n = chunks_sent[0]
         return {"targets": {"m": {"timing": {
@@ -501,7 +501,7 @@ def test_load_client_keeps_prompt_indices_and_leaves_ids_none_without_the_extens
 
 
 def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
-    """`server` per level: rounds and call times from /health before and after the level (the stand-in counts a
+    """`server` per level: rounds and call times from /stats before and after the level (the stand-in counts a
     round and a call per chunk: 5 per request, 10 with speculate false); the markdown tabulates them."""
     import asyncio
 

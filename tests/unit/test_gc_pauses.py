@@ -1,4 +1,4 @@
-"""The collector's pauses counted per process (s2d_ray/gc_pauses.py), as stats() and /health report them."""
+"""The collector's pauses counted per process (s2d_ray/gc_pauses.py), as stats() and /stats report them."""
 
 from __future__ import annotations
 

@@ -150,6 +150,36 @@ def test_a_longer_turn_replaces_its_earlier_turn_and_short_rows_are_not_kept(tar
     assert len(cache) == 1
 
 
+@pytest.mark.parametrize("other", ["tenant-b:", "tenant-a|salt:", ""])
+def test_a_scope_forks_only_its_own_rows_and_keeps_its_entries(target, other):
+    """Seq ids `<scope>:<id>` (the server's tenant and cache_salt): another scope's cached prompt and live rows give
+    no hit, and its longer turn does not drop the first scope's entry as redundant; the same scope (the negative
+    control) does hit."""
+    verifier = TargetVerifier(target, prefix_cache=PrefixCacheSpec(max_tokens=1000))
+    chat = tokens(9, 50)
+    verifier.score([ScoreRequest("tenant-a:t1", chat, 1)])
+    verifier.release("tenant-a:t1")
+    verifier.score([ScoreRequest(f"{other}t2", chat + tokens(10, 20), 1)])
+    assert verifier.table.num_forked_tokens == 0 and verifier.prefix_cache_stats()["prefix_cache_hits"] == 0
+    verifier.release(f"{other}t2")
+    assert len(verifier.table.prefix_cache) == 2  # both kept: neither scope's entry covers the other's
+    verifier.score([ScoreRequest("tenant-a:t3", chat + tokens(11, 5), 1)])
+    assert verifier.prefix_cache_stats()["prefix_cache_hits"] == 50  # its own scope: the whole first turn
+
+
+def test_the_drafter_forks_within_a_scope_only(target):
+    """The shared draft's cache is scoped as the target's: another tenant's prompt gives no hit, its own does."""
+    draft = noisy_draft(target, num_layers=3, exits=[1, 2, 3], thresholds=[0.0, 0.0, 0.0])
+    system = tokens(1, SYSTEM)
+    d = SortedDrafter(draft, prefix_cache=PrefixCacheSpec(max_tokens=4096))
+    d.propose([DraftRequest("ta:a", system + [5, 6], 2, SamplingParams())])
+    d.release("ta:a")
+    d.propose([DraftRequest("tb:b", system + [7, 8, 9], 3, SamplingParams())])
+    assert d.prefix_cache_stats()["prefix_cache_hits"] == 0
+    d.propose([DraftRequest("ta:c", system + [7, 8, 9], 3, SamplingParams())])
+    assert d.prefix_cache_stats()["prefix_cache_hits"] >= SYSTEM
+
+
 def test_with_rows_bounded_cached_rows_give_way_before_live_ones(target):
     verifier = TargetVerifier(target, prefix_cache=PrefixCacheSpec(max_tokens=1000))
     verifier.table.set_limits(2)

@@ -57,6 +57,16 @@ def test_a_new_row_forks_a_live_rows_prefix_and_trees_are_never_copied(target):
     assert v.table.num_forked_tokens == PROMPT_LEN + 20  # b: the prompt, not the tree's nodes; c: 20 positions
 
 
+def test_rows_of_other_scopes_never_fork_each_other(target):
+    """One new prompt from two scopes in one call: each scope computes it (no copy across), and neither waits for
+    the other's forward; two rows of one scope still fork."""
+    p = prompt(4)
+    reqs = [ScoreRequest("x:a", p, 1), ScoreRequest("y:a", p, 1), ScoreRequest("x:b", p, 1)]
+    assert fork_order(reqs, [0, 0, 0]) == [[0, 1], [2]]
+    v = score_both(target, [reqs])
+    assert v.table.num_forked_tokens == PROMPT_LEN - 1  # x:b from x:a only
+
+
 def test_short_or_scored_prompts_are_computed_in_one_forward():
     p = prompt(4)
     same = [ScoreRequest(f"c{i}", p, 1) for i in range(2)]
