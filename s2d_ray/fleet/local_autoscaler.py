@@ -27,6 +27,7 @@ NODE_TYPE_LABEL = "s2d-node-type"  # every derived node carries its cluster.yaml
 FAKE_HEAD_TYPE = "ray.head.default"  # the fake provider names its head so
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 OBJECT_STORE_BYTES = 80 * 1024 ** 2  # per node; Ray's minimum is 75 MiB
+MONITOR_PROCESS = "monitor"  # the autoscaler monitor's key in a Ray node's process table
 
 
 def local_resources(node: NodeType, cpu_scale: float, max_devices: int | None) -> dict[str, int]:
@@ -100,11 +101,9 @@ class LocalAutoscalingCluster:
     def start(self) -> "LocalAutoscalingCluster":
         # Every node on loopback: Ray reads this when imported (here and in the monitor and raylets it starts).
         os.environ.setdefault(LOOPBACK_ENV, "0")
-        from ray._private import ray_constants
-        from ray.cluster_utils import Cluster
-
-        if ray_constants.ENABLE_RAY_CLUSTER:
+        if os.environ[LOOPBACK_ENV] != "0":
             raise RuntimeError(f"set {LOOPBACK_ENV}=0 before ray is imported: the nodes must bind 127.0.0.1")
+        from ray.cluster_utils import Cluster
 
         port = free_port()
         self.address = f"127.0.0.1:{port}"
@@ -137,12 +136,10 @@ class LocalAutoscalingCluster:
         return f"http://{self._ray_cluster.webui_url}"
 
     def _monitor_pids(self) -> list[int]:
-        from ray._private import ray_constants
-
         head = self._ray_cluster.head_node if self._ray_cluster else None
         if head is None:
             return []
-        return [p.process.pid for p in head.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, [])]
+        return [p.process.pid for p in head.all_processes.get(MONITOR_PROCESS, [])]
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the worker raylets the autoscaler started (the monitor's child processes, by pid), then the head."""
