@@ -10,8 +10,9 @@ own token list (common_prefix), which is exact by construction: a row is used on
 equal the new sequence's, with no hash that could collide. The rows held are few (each holds at least
 `min_tokens` positions and all of them at most `max_tokens`), so a scan costs little next to one forward.
 
-The cache lives inside one verifier or drafter, which is built for one model (and adapter): a prefix never outlives
-the weights that computed it.
+The cache lives inside one verifier or drafter, which is built for one model: a prefix never outlives the weights
+that computed it. A verifier serving LoRA adapters keys each row by its adapter's registration (RowState.adapter), and
+rows of different adapters never stand for each other.
 """
 
 from __future__ import annotations
@@ -95,4 +96,4 @@ class RetiredRows:
 def _covers(new, old) -> bool:
     """`new` holds every position `old` holds (the same chat, one turn later): `old` is redundant."""
     n = old.filled[0]
-    return new.filled[0] >= n and new.tokens[:n] == old.tokens[:n]
+    return new.adapter == old.adapter and new.filled[0] >= n and new.tokens[:n] == old.tokens[:n]

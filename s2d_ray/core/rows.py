@@ -49,6 +49,7 @@ class RowState:
     tokens: list[int] = field(default_factory=list)
     filled: list[int] = field(default_factory=list)  # per segment: positions [0, filled) hold KV
     tree: PendingTree | None = None  # the last verified tree, compacted on the next sync
+    adapter: str = ""  # whose weights computed this row's KV (core/lora.py's key; "" the base): forks stay within it
 
     def held_prefix(self, tokens: list[int]) -> int:
         """How many leading positions of `tokens` this row holds KV for (first segment)."""
