@@ -38,6 +38,7 @@ from .http_api import (
     validation_error,
 )
 from .loaders import load_tokenizer
+from .lora import LoadLoraRequest, RouterAdapters, UnloadLoraRequest, load_adapter, unload_adapter
 from .metrics import ServeMetrics, prefix_cache_totals
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
@@ -116,12 +117,14 @@ class Router:
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
         self.replica = replica_id()
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
+        self.adapters = RouterAdapters(cfg.targets)  # LoRA adapters: model names decoded by their base's engine
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
                                   cfg.trust_remote_code)
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
+        self.models.update({a: replace(self.models[base], name=a) for a, base in self.adapters.base_of.items()})
         logger.info("router: targets %s (sequences admitted at once %s), draft %s, auth %s", sorted(self.models),
                     {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
@@ -238,8 +241,22 @@ class Router:
     async def list_models(self, request: Request) -> dict:
         authorize(request, self._api_key)
         return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context}
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context,
+             "parent": self.adapters.base_of.get(m.name)}
             for m in self.models.values()]}
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoraRequest))
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime adapter load (serve/lora.py)."""
+        authorize(request, self._api_key)
+        body = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), LoadLoraRequest)
+        return JSONResponse(await load_adapter(self, body))
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoraRequest))
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        authorize(request, self._api_key)
+        body = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), UnloadLoraRequest)
+        return JSONResponse(await unload_adapter(self, body, self.cfg.limits.request_timeout_s))
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -344,7 +361,9 @@ class Router:
         gen = to_generation(info, req, self.cfg.limits)
         if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
             gen = replace(gen, suffix_scope=req.suffix_scope)
-        sched = self.schedulers[req.model]
+        base, adapter = self.adapters.target(req.model)
+        gen = replace(gen, adapter=adapter) if adapter else gen
+        sched = self.schedulers[base]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned

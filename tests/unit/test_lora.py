@@ -3,50 +3,27 @@ adapter merged into the base (peft merge_and_unload), greedy and sampled, over o
 
 from __future__ import annotations
 
-import copy
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from core_fixtures import KERNELS, noisy_draft, random_prompts, tiny_target
-from helpers import make_tiny_llama
+from helpers import make_tiny_llama, merge_lora, save_random_lora
 from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.lora import AdapterError, LoraBank
-from s2d_ray.models.adapters import read_peft_adapter
 from s2d_ray.core.policy import FixedK
 from s2d_ray.core.prefix_cache import PrefixCacheSpec
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import SamplingParams
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def save_adapter(base, path, seed: int, r: int = 4, modules=ALL, rslora: bool = False, scale: float = 0.3):
-    """A random peft LoRA of `base` saved with save_pretrained (B non-zero, so it changes the output)."""
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(modules), init_lora_weights=False,
-                     use_rslora=rslora, lora_dropout=0.0)
-    peft = get_peft_model(copy.deepcopy(base), cfg)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * scale)
-    peft.save_pretrained(str(path))
-    return path
-
-
-def merged(base, path):
-    return PeftModel.from_pretrained(copy.deepcopy(base), str(path)).merge_and_unload().eval()
-
+from s2d_ray.models.adapters import read_peft_adapter
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     base = tiny_target(seed=0)
     root = tmp_path_factory.mktemp("adapters")
-    a = save_adapter(base, root / "a", seed=1)
-    b = save_adapter(base, root / "b", seed=2, r=2, modules=["q_proj", "v_proj", "down_proj"], rslora=True)
-    return base, {"a": a, "b": b}, {"a": merged(base, a), "b": merged(base, b), "": base}
+    a = save_random_lora(base, root / "a", seed=1)
+    b = save_random_lora(base, root / "b", seed=2, r=2, modules=["q_proj", "v_proj", "down_proj"], rslora=True)
+    return base, {"a": a, "b": b}, {"a": merge_lora(base, a), "b": merge_lora(base, b), "": base}
 
 
 def lora_verifier(base, adapters, max_loaded: int = 4, prefix_cache: PrefixCacheSpec | None = None) -> TargetVerifier:
@@ -152,7 +129,7 @@ def test_bad_adapters_are_refused_with_the_reason(family, tmp_path):
     TargetVerifier(base, kernels=KERNELS, lora=bank)
     with pytest.raises(AdapterError, match="rank 4 exceeds"):
         bank.register(read_peft_adapter(paths["a"], "a"))
-    other = save_adapter(make_tiny_llama(vocab_size=96, hidden_size=48, dtype=torch.float64), tmp_path / "o", 3, r=2)
+    other = save_random_lora(make_tiny_llama(vocab_size=96, hidden_size=48, dtype=torch.float64), tmp_path / "o", 3, r=2)
     with pytest.raises(AdapterError, match="another base"):
         bank.register(read_peft_adapter(other, "o"))
     with pytest.raises(AdapterError, match="no adapter_config.json"):
