@@ -17,6 +17,7 @@ from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
+from .lora import register as register_lora
 from .structured import register as register_structured
 
 
@@ -33,6 +34,7 @@ def register(sub) -> None:
     _register_draft_capacity(bench)
     _register_gpu(bench)
     register_structured(bench)
+    register_lora(bench)
 
 
 def _default_out(kind: str) -> Path:

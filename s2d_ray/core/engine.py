@@ -60,6 +60,8 @@ class GenerationRequest:
     # The LoRA adapter of the target this request decodes with ("" the base): verified per row (core/lora.py); the
     # draft is the base's for every adapter.
     adapter: str = ""
+    # The draft's exit thresholds for this request's rows (an adapter's calibration profile); None: the drafter's.
+    draft_thresholds: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -232,7 +234,8 @@ class SpecEngine:
                 k = 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
                                        tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
-                                       frontier=frontier, suffix_scope=seq.req.suffix_scope))
+                                       frontier=frontier, suffix_scope=seq.req.suffix_scope,
+                                       thresholds=seq.req.draft_thresholds))
         return drafts
 
     def _remaining(self, seq: _Sequence) -> int:

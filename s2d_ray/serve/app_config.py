@@ -19,7 +19,7 @@ from ..models.capacity import (
     GIB, Capacity, ModelShape, check_prefix_budget, host_memory_bytes, kv_capacity, read_model_config,
 )
 from .affinity import PrefixRoutingConfig
-from .lora import LoraTargetConfig
+from .lora_config import LoraTargetConfig
 
 
 class _Strict(BaseModel):

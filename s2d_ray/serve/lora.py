@@ -1,86 +1,15 @@
 """LoRA targets in the app: one target deployment serves a base model plus adapters, each its own model name.
 
-The config (`lora:` on a target), where an adapter's directory is, how a forward's rows are split so that no forward
-holds more adapters than the replica keeps resident, and the request bodies of the runtime load/unload routes (vLLM's
-shapes). The per-row mechanism itself is core/lora.py's.
+How a forward's rows are split so that no forward holds more adapters than the replica keeps resident, a replica's
+registration of an adapter, and the router's side: adapter names -> base target, the runtime load/unload on every
+replica, each adapter's draft thresholds. The config is serve/lora_config.py's; the per-row mechanism core/lora.py's.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from ..core.types import ScoreRequest
-
-ASSET_ADAPTERS = Path(__file__).resolve().parent.parent / "assets" / "adapters"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
-
-
-def adapter_path(value: str) -> Path:
-    """An adapter's directory: a path, or the name of an adapter committed with the package (assets/adapters)."""
-    path = Path(value).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    committed = ASSET_ADAPTERS / value
-    if "/" not in value and committed.is_dir():
-        return committed
-    return path
-
-
-def check_adapter_name(name: str) -> str:
-    if not _NAME.match(name):
-        raise ValueError(f"adapter name {name!r} must be 1-128 letters, digits and ._:/- (a model name)")
-    return name
-
-
-class LoraTargetConfig(BaseModel):
-    """`lora:` on a target: the adapters served over its base model, each exposed as a model of its own."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    adapters: dict[str, str] = Field(
-        default_factory=dict, description="Model name -> peft adapter directory (or the name of an adapter shipped "
-        "in s2d_ray/assets/adapters); loaded when each replica starts. More load at run time through "
-        "POST /v1/load_lora_adapter.")
-    max_loaded: int = Field(4, ge=1, le=256, description="Adapters resident in each replica's stacked slots (LRU); "
-                            "a forward holds at most this many adapters (larger rounds are split).")
-    max_rank: int = Field(64, ge=1, le=1024, description="Largest adapter rank accepted (the slots' width).")
-
-    @field_validator("adapters")
-    @classmethod
-    def _paths_exist(cls, adapters: dict[str, str]) -> dict[str, str]:
-        for name, where in adapters.items():
-            check_adapter_name(name)
-            if not (adapter_path(where) / "adapter_config.json").is_file():
-                raise ValueError(f"adapter {name}: {where} is not a peft adapter directory (no adapter_config.json)")
-        return adapters
-
-
-class LoadLoraRequest(BaseModel):
-    """POST /v1/load_lora_adapter (vLLM's body); `base_model` names the target where several serve adapters."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lora_name: str
-    lora_path: str
-    base_model: str | None = None
-
-    @field_validator("lora_name")
-    @classmethod
-    def _name(cls, name: str) -> str:
-        return check_adapter_name(name)
-
-
-class UnloadLoraRequest(BaseModel):
-    """POST /v1/unload_lora_adapter (vLLM's body; `lora_int_id` is accepted and ignored as vLLM does)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lora_name: str
-    lora_int_id: int | None = None
-
+from .app_config import router_ceiling
+from .lora_config import LoadLoraRequest, UnloadLoraRequest, adapter_path
 
 def adapter_parts(requests: list[ScoreRequest], max_loaded: int) -> list[list[int]]:
     """Indices of `requests` in forwards of at most `max_loaded` distinct adapters (base rows ride in the first),
@@ -149,10 +78,22 @@ class RouterAdapters:
     replica can verify any adapter's rows and prefix routing needs no adapter preference. A load that any replica
     refuses is undone on the others."""
 
-    def __init__(self, targets: list) -> None:
+    def __init__(self, cfg) -> None:
+        targets = cfg.targets
         self.base_of: dict[str, str] = {a: t.name for t in targets if t.lora for a in t.lora.adapters}
         self.lora_targets = [t.name for t in targets if t.lora is not None]
-        self.configured = set(self.base_of)
+        # The draft's thresholds per adapter, from a calibration profile named after it (as a target's is).
+        self.thresholds = {a: th for a, base in self.base_of.items()
+                           if (th := adapter_thresholds(cfg, base, a)) is not None}
+
+    def generation(self, model: str, gen):
+        """(target name, the GenerationRequest with its adapter and the adapter's draft thresholds)."""
+        from dataclasses import replace
+
+        base, adapter = self.target(model)
+        if not adapter:
+            return base, gen
+        return base, replace(gen, adapter=adapter, draft_thresholds=self.thresholds.get(adapter))
 
     def target(self, model: str) -> tuple[str, str]:
         """(target name, adapter) of a requested model name ("" for a target's own model)."""
@@ -192,10 +133,9 @@ async def load_adapter(router, body: LoadLoraRequest) -> dict:
     bad adapter (every replica's registration undone, nothing else changed)."""
     from dataclasses import replace
 
-    from .app_config import router_ceiling
     from .http_api import ApiError
 
-    _one_router(router, router_ceiling)
+    _one_router(router)
     try:
         base = router.adapters.base_for_load(body, router.models)
     except ValueError as exc:
@@ -219,10 +159,9 @@ async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict
     import asyncio
     import time
 
-    from .app_config import router_ceiling
     from .http_api import ApiError
 
-    _one_router(router, router_ceiling)
+    _one_router(router)
     base = router.adapters.base_of.get(body.lora_name)
     if base is None:
         raise ApiError(404, f"lora_name: adapter {body.lora_name!r} is not loaded here", "model_not_found",
@@ -237,10 +176,31 @@ async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict
             "replicas": sorted(r["replica"] for r in replies)}
 
 
-def _one_router(router, router_ceiling) -> None:
+def _one_router(router) -> None:
     from .http_api import ApiError
 
     if router_ceiling(router.cfg.router) > 1:
         raise ApiError(400, "runtime LoRA load/unload needs a single router replica (each router keeps its own list "
                        "of served names); list adapters under the target's `lora.adapters` instead",
                        "unsupported", "lora_name")
+
+
+def adapter_thresholds(cfg, base: str, adapter: str) -> tuple[float, ...] | None:
+    """The draft's exit thresholds for an adapter's rows: those of a calibration profile committed with the draft
+    under the adapter's name (s2d calibrate, as for a target), where its exit layers are the base's (the draft
+    forward is shared, so only thresholds can differ per row); None: the base's."""
+    from ..build import load_profile
+
+    base_cfg = cfg.engine_config(base)
+    if base_cfg.target.calibration != "auto":  # a profile the config names is the base's own
+        return None
+    own = base_cfg.model_copy(update={"target": base_cfg.target.model_copy(update={"name": adapter,
+                                                                                    "source": adapter})})
+    profile, base_profile = load_profile(own), load_profile(base_cfg)
+    if profile is None or profile.get("thresholds") is None:
+        return None
+    base_exits = (base_profile or {}).get("exit_layers") or cfg.draft.exit_layers
+    if cfg.draft.exit_layers is not None or cfg.draft.thresholds is not None or \
+            profile.get("exit_layers") != base_exits:
+        return None  # the config's own exits or thresholds win, as they do over a target's profile
+    return tuple(profile["thresholds"])

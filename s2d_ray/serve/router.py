@@ -38,7 +38,8 @@ from .http_api import (
     validation_error,
 )
 from .loaders import load_tokenizer
-from .lora import LoadLoraRequest, RouterAdapters, UnloadLoraRequest, load_adapter, unload_adapter
+from .lora import RouterAdapters, load_adapter, unload_adapter
+from .lora_config import LoadLoraRequest, UnloadLoraRequest
 from .metrics import ServeMetrics, prefix_cache_totals
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
@@ -117,7 +118,7 @@ class Router:
         self.affinities: list[Affinity] = []  # every client's, for /health's recomputed_tokens
         self.replica = replica_id()
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
-        self.adapters = RouterAdapters(cfg.targets)  # LoRA adapters: model names decoded by their base's engine
+        self.adapters = RouterAdapters(cfg)  # LoRA adapters: model names decoded by their base's engine
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
                                   cfg.trust_remote_code)
@@ -361,8 +362,7 @@ class Router:
         gen = to_generation(info, req, self.cfg.limits)
         if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
             gen = replace(gen, suffix_scope=req.suffix_scope)
-        base, adapter = self.adapters.target(req.model)
-        gen = replace(gen, adapter=adapter) if adapter else gen
+        base, gen = self.adapters.generation(req.model, gen)  # an adapter's rows decode on its base's engine
         sched = self.schedulers[base]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)

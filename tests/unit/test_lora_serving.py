@@ -9,11 +9,13 @@ from pydantic import ValidationError
 
 from core_fixtures import KERNELS, random_prompts, tiny_target
 from helpers import merge_lora, save_random_lora
+from s2d_ray.core.engine import GenerationRequest
 from s2d_ray.core.lora import LoraBank
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import ScoreRequest
 from s2d_ray.serve.app_config import AppConfig
-from s2d_ray.serve.lora import ASSET_ADAPTERS, adapter_parts, adapter_path, register_adapter, score_by_adapters
+from s2d_ray.serve.lora import adapter_parts, register_adapter, score_by_adapters
+from s2d_ray.serve.lora_config import ASSET_ADAPTERS, adapter_path
 
 
 def rows(*names: str) -> list[ScoreRequest]:
@@ -69,3 +71,17 @@ def test_config_accepts_the_committed_adapter_by_name():
 def test_config_errors_name_the_problem(spec, fragment):
     with pytest.raises(ValidationError, match=fragment):
         AppConfig.model_validate(spec)
+
+
+def test_an_adapter_named_like_a_calibrated_target_takes_its_thresholds():
+    from s2d_ray.serve.lora import RouterAdapters
+
+    cfg = AppConfig.model_validate({"targets": [
+        {"name": "smollm2-135m-instruct", "dtype": "float32",
+         "lora": {"adapters": {"smollm2-135m-gsm8k": "smollm2-135m-gsm8k", "plain": "smollm2-135m-gsm8k"}}}]})
+    adapters = RouterAdapters(cfg)
+    assert set(adapters.thresholds) == {"smollm2-135m-gsm8k"}  # the committed profile's; none for "plain"
+    base, gen = adapters.generation("smollm2-135m-gsm8k", GenerationRequest("s", [1], 4))
+    assert base == "smollm2-135m-instruct" and gen.adapter == "smollm2-135m-gsm8k"
+    assert gen.draft_thresholds == adapters.thresholds["smollm2-135m-gsm8k"]
+    assert adapters.generation("smollm2-135m-instruct", GenerationRequest("s", [1], 4))[1].adapter == ""
