@@ -164,6 +164,8 @@ class TargetDeployment:
     async def load_adapter(self, name: str, where: str, affinity: str | None = None) -> dict:
         """Register a LoRA adapter on this replica (between forwards, on the model thread): {"loaded"} or
         {"error"}."""
+        if self.lora is None:
+            return {**register_adapter(None, name, where), "replica": self.replica}
         return {**await self.backend.thread.run(register_adapter, self.lora, name, where), "replica": self.replica}
 
     async def unload_adapter(self, name: str, affinity: str | None = None) -> dict:
