@@ -24,7 +24,7 @@ from .structured import register as register_structured
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
                        "load), draft-capacity (the shared draft under that load), exits (when deeper exits pay), "
-                       "gpu-check and gpu-profile (on a GPU)")
+                       "lora (adapters on one base vs merged targets), gpu-check and gpu-profile (on a GPU)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
