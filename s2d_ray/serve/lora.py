@@ -49,6 +49,8 @@ def register_adapter(bank, name: str, where: str) -> dict:
         bank.register(read_peft_adapter(adapter_path(where), name))
     except AdapterError as exc:
         return {"error": str(exc)}
+    except (OSError, ValueError) as exc:  # a path the OS refuses (a NUL byte, too long, no permission)
+        return {"error": f"adapter {name}: cannot read {where!r} ({type(exc).__name__}: {exc})"}
     return {"loaded": name}
 
 

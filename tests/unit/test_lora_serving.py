@@ -85,3 +85,9 @@ def test_an_adapter_named_like_a_calibrated_target_takes_its_thresholds():
     assert base == "smollm2-135m-instruct" and gen.adapter == "smollm2-135m-gsm8k"
     assert gen.draft_thresholds == adapters.thresholds["smollm2-135m-gsm8k"]
     assert adapters.generation("smollm2-135m-instruct", GenerationRequest("s", [1], 4))[1].adapter == ""
+
+
+def test_a_path_the_os_refuses_is_an_error_not_a_crash():
+    from s2d_ray.core.lora import LoraBank
+
+    assert "error" in register_adapter(LoraBank(), "x", "bad\x00path")  # answered, never raised
