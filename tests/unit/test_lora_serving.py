@@ -91,3 +91,18 @@ def test_a_path_the_os_refuses_is_an_error_not_a_crash():
     from s2d_ray.core.lora import LoraBank
 
     assert "error" in register_adapter(LoraBank(), "x", "bad\x00path")  # answered, never raised
+
+
+def test_a_target_placed_in_the_router_is_one_replica_for_loads():
+    """placement: router (local.yaml's instruct target): the in-process handle answers a load once, itself."""
+    import asyncio
+
+    from s2d_ray.serve.lora import RouterAdapters
+    from s2d_ray.serve.replica import InProcessHandle
+
+    class Placed:
+        async def load_adapter(self, name, where, affinity=None):
+            return {"loaded": name, "replica": "router-0", "affinity": affinity}
+
+    replies = asyncio.run(RouterAdapters.on_every_replica(InProcessHandle(Placed()), "load_adapter", "x", "/p"))
+    assert replies == [{"loaded": "x", "replica": "router-0", "affinity": None}]
