@@ -17,6 +17,7 @@ from .core.costs import CostModel
 from .core.draft import Drafter, SortedDraft, SortedDrafter, default_exits
 from .core.engine import SpecEngine
 from .core.kernels import Kernels
+from .core.lora import LoraBank
 from .core.lookup import PromptLookup, TreeDrafter
 from .core.policy import DraftLengthPolicy, FixedK, HeuristicK
 from .core.prefix_cache import PrefixCacheSpec
@@ -249,16 +250,17 @@ def warn_if_modelled_slower(cfg: EngineConfig, profile: dict | None) -> None:
 
 
 def build_verifier(model: torch.nn.Module, cfg: EngineConfig | None = None, kernels: Kernels | None = None,
-                   cuda_graphs: bool | None = None, prefix_cache: PrefixCacheSpec | None = None) -> TargetVerifier:
+                   cuda_graphs: bool | None = None, prefix_cache: PrefixCacheSpec | None = None,
+                   lora: LoraBank | None = None) -> TargetVerifier:
     """The target's verifier, the one way it is made: `cfg`'s kernels (threads included), CUDA graphs and prefix
     cache; without a config (a measurement of one mechanism), the default kernels and no prefix cache. `kernels`,
     `cuda_graphs` and `prefix_cache` override them for callers that measure one backend or cannot capture graphs (a
-    TP rank's all-reduces)."""
+    TP rank's all-reduces). `lora`: the adapters its rows may name (core/lora.py)."""
     kept = cfg.prefix_cache.spec() if cfg is not None else None
     cfg = cfg if cfg is not None else EngineConfig()
     return TargetVerifier(model, cuda_graphs=cfg.cuda_graphs if cuda_graphs is None else cuda_graphs,
                           kernels=kernels if kernels is not None else make_kernels(cfg),
-                          prefix_cache=prefix_cache if prefix_cache is not None else kept)
+                          prefix_cache=prefix_cache if prefix_cache is not None else kept, lora=lora)
 
 
 def build_drafter(draft: SortedDraft, cfg: EngineConfig | None = None, cuda_graphs: bool | None = None,

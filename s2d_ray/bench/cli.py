@@ -17,13 +17,14 @@ from ..commands.engine_args import INTS, NAMES, add_engine_args, engine_config
 from ..config import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
+from .lora import register as register_lora
 from .structured import register as register_structured
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
                        "load), draft-capacity (the shared draft under that load), exits (when deeper exits pay), "
-                       "gpu-check and gpu-profile (on a GPU)")
+                       "lora (adapters on one base vs merged targets), gpu-check and gpu-profile (on a GPU)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
@@ -34,6 +35,7 @@ def register(sub) -> None:
     _register_gpu(bench)
     _register_cluster(bench)
     register_structured(bench)
+    register_lora(bench)
 
 
 def _default_out(kind: str) -> Path:

@@ -57,6 +57,11 @@ class GenerationRequest:
     # Whose earlier outputs this request drafts from and adds its own to (core/suffix.py): "" is the shared scope;
     # the server passes one per API key when the store is scoped.
     suffix_scope: str = ""
+    # The LoRA adapter of the target this request decodes with ("" the base): verified per row (core/lora.py); the
+    # draft is the base's for every adapter.
+    adapter: str = ""
+    # The draft's exit thresholds for this request's rows (an adapter's calibration profile); None: the drafter's.
+    draft_thresholds: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -229,7 +234,8 @@ class SpecEngine:
                 k = 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
                                        tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
-                                       frontier=frontier, suffix_scope=seq.req.suffix_scope))
+                                       frontier=frontier, suffix_scope=seq.req.suffix_scope,
+                                       thresholds=seq.req.draft_thresholds))
         return drafts
 
     def _remaining(self, seq: _Sequence) -> int:
@@ -299,7 +305,8 @@ class SpecEngine:
             if plain and argmax_only and not self._wants_prompt_rows(seq):
                 steps = 1 + min(self.plain_steps - 1, max(self._remaining(seq), 0))
             out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only,
-                                    steps, seq.req.stop_token_ids if steps > 1 else ()))
+                                    steps, seq.req.stop_token_ids if steps > 1 else (),
+                                    seq.req.adapter if seq is not None else ""))
         return out
 
     @staticmethod

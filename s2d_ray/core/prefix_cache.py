@@ -14,8 +14,9 @@ Rows are scoped (RowState.scope, from the seq id: rows.cache_scope): a fork read
 the server's tenants never share KV, never see each other's hits in their timing, and never evict each other's
 entries as redundant (they do share the token budget, least recently used first).
 
-The cache lives inside one verifier or drafter, which is built for one model (and adapter): a prefix never outlives
-the weights that computed it.
+The cache lives inside one verifier or drafter, which is built for one model: a prefix never outlives the weights
+that computed it. A verifier serving LoRA adapters keys each row by its adapter's registration (RowState.adapter), and
+rows of different adapters never stand for each other.
 """
 
 from __future__ import annotations
@@ -99,4 +100,5 @@ class RetiredRows:
 def _covers(new, old) -> bool:
     """`new` holds every position `old` holds (the same chat, one turn later) in the same scope: `old` is redundant."""
     n = old.filled[0]
-    return new.scope == old.scope and new.filled[0] >= n and new.tokens[:n] == old.tokens[:n]
+    return (new.scope == old.scope and new.adapter == old.adapter and new.filled[0] >= n
+            and new.tokens[:n] == old.tokens[:n])

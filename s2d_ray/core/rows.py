@@ -57,6 +57,7 @@ class RowState:
     filled: list[int] = field(default_factory=list)  # per segment: positions [0, filled) hold KV
     tree: PendingTree | None = None  # the last verified tree, compacted on the next sync
     scope: str = ""  # cache_scope of its seq id: forks read only rows of the same scope
+    adapter: str = ""  # whose weights computed this row's KV (core/lora.py's key; "" the base): forks stay within it
 
     def held_prefix(self, tokens: list[int]) -> int:
         """How many leading positions of `tokens` this row holds KV for (first segment)."""

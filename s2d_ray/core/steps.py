@@ -41,7 +41,8 @@ def stepped_scores(score: Score, requests: list[ScoreRequest]) -> Calls[list[tor
         live = [i for i in multi if len(chosen[i]) < requests[i].steps and chosen[i][-1] not in requests[i].stop_ids]
         if not live:
             break
-        nxt = yield score([ScoreRequest(requests[i].seq_id, requests[i].tokens + chosen[i], 1, argmax_only=True)
+        nxt = yield score([ScoreRequest(requests[i].seq_id, requests[i].tokens + chosen[i], 1, argmax_only=True,
+                                       adapter=requests[i].adapter)
                            for i in live])
         for i, x in zip(live, nxt):
             chosen[i].append(argmax_ids(x)[-1])

@@ -12,6 +12,7 @@ from .cache import causal_allowed
 from .kernels import STOCK, Kernels
 from .prefix_cache import PrefixCacheSpec
 from .decoder import decoder_parts
+from .lora import LoraBank
 from .rows import (FREE_WIDTH, PREFILL_CHUNK, PendingTree, RowState, RowTable, cache_scope, length_groups,
                    pending_grid)
 from .stack import LayerStack
@@ -41,13 +42,17 @@ class TargetVerifier:
 
     def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
                  cuda_graphs: bool = True, kernels: Kernels = STOCK,
-                 prefix_cache: PrefixCacheSpec | None = None) -> None:
+                 prefix_cache: PrefixCacheSpec | None = None, lora: LoraBank | None = None) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)], kernels=kernels)
-        if cuda_graphs and self.stack.device.type == "cuda":
+        # LoRA rows (core/lora.py) gather their adapter per row on every call: graphs would freeze one batch's slots.
+        if cuda_graphs and self.stack.device.type == "cuda" and lora is None:
             self.stack.use_graphs()  # decode and verify forwards as CUDA graphs (core/graphs.py)
         self.stack.use_fast_projections()  # the backend's projections (on the CPU: packed weights where faster)
+        self.lora = lora  # adapters served over this base, one per row (ScoreRequest.adapter)
+        if lora is not None:
+            self.stack.layers = lora.wrap(self.stack.layers)
         self.cache = self.stack.new_cache()
         self.table = RowTable(1, self.cache)
         self.table.use_prefix_cache(prefix_cache)  # finished sequences' KV kept for later prompts (prefix_cache.py)
@@ -70,8 +75,11 @@ class TargetVerifier:
                 raise ValueError(f"num_logits must be in [1, {len(req.tokens)}], got {req.num_logits}")
             if req.parents is not None and req.num_logits != len(req.parents) + 1:
                 raise ValueError(f"a tree of {len(req.parents)} nodes needs {len(req.parents) + 1} logits")
+        keys = self._adapter_keys(requests)
         states, starts, ends = [], [], []
-        for req, st in zip(requests, self.table.sync_batch([(r.seq_id, r.tokens) for r in requests])):
+        for req, st, key in zip(requests, self.table.sync_batch([(r.seq_id, r.tokens) for r in requests]), keys):
+            if st.adapter != key:  # KV of another adapter (or of an earlier registration of this one) is not this row's
+                st.adapter, st.filled = key, [0] * len(st.filled)
             # Positions whose logits are wanted must be recomputed even if their KV is cached.
             st.filled[0] = min(st.filled[0], len(req.tokens) - req.num_logits)
             states.append(st)
@@ -83,8 +91,9 @@ class TargetVerifier:
             new = [i for i in batch if starts[i] == 0] if self.share_prefixes else []
             holders = self.table.holders() if new else []
             for i in new:
+                same = [h for h in holders if h.adapter == keys[i]] if self.lora is not None else holders
                 starts[i] = self.table.fork_counted(requests[i].seq_id,
-                                                    len(requests[i].tokens) - requests[i].num_logits, holders)
+                                                    len(requests[i].tokens) - requests[i].num_logits, same)
             for sub_group in length_groups([ends[i] - starts[i] + 1 for i in batch]):  # prompts apart from decode rows
                 group = [batch[j] for j in sub_group]
                 hidden = self._forward_chunked([requests[i] for i in group], [states[i] for i in group],
@@ -94,6 +103,18 @@ class TargetVerifier:
                     _computed(states[i], requests[i])
         logits = widen(self.stack.logits(torch.cat(picked)))  # one LM-head matmul for the whole batch
         return list(logits.split([req.num_logits for req in requests]))
+
+    def _adapter_keys(self, requests: list[ScoreRequest]) -> list[str]:
+        """Each row's KV key (LoraBank.key); a row naming an adapter this verifier does not hold is refused."""
+        if self.lora is None:
+            named = sorted({r.adapter for r in requests if r.adapter})
+            if named:
+                raise ValueError(f"adapter(s) {named} asked of a verifier that serves no adapters")
+            return [""] * len(requests)
+        try:
+            return [self.lora.key(r.adapter) for r in requests]
+        except KeyError as exc:
+            raise ValueError(f"adapter {exc.args[0]!r} is not loaded on this target") from None
 
     def _forward_chunked(self, requests: list[ScoreRequest], states: list, starts: list[int],
                          ends: list[int]) -> list[torch.Tensor]:
@@ -142,7 +163,13 @@ class TargetVerifier:
             ids[i, : ends[i] - starts[i] + 1] = torch.tensor(req.tokens[starts[i] :], device=device)
         rows = torch.tensor([st.row for st in states], device=device)
         rope, allowed = tree_layout(requests, starts, positions)
-        return self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
+        if self.lora is None:
+            return self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
+        self.lora.bind([r.adapter for r in requests], device)
+        try:
+            return self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
+        finally:
+            self.lora.unbind()
 
     def prefix_cache_stats(self) -> dict:
         """`prefix_cache_queries` / `prefix_cache_hits` (tokens, vLLM's names) and the positions held now."""

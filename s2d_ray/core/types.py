@@ -86,6 +86,9 @@ class ScoreRequest:
     # (`core/steps.py`).
     steps: int = 1
     stop_ids: tuple[int, ...] = ()
+    # The LoRA adapter this row is verified under ("" the base model): a verifier with a LoraBank (core/lora.py)
+    # applies each row's own adapter in the one batched forward.
+    adapter: str = ""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from ..models.capacity import (
     GIB, Capacity, ModelShape, check_prefix_budget, host_memory_bytes, kv_capacity, read_model_config,
 )
 from .affinity import PrefixRoutingConfig
+from .lora_config import LoraTargetConfig
 
 
 class _Strict(BaseModel):
@@ -146,6 +147,17 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
         "target then scales with the router (each router replica holds a copy), takes tp_size 1, and its deployment "
         "options (replicas, autoscaling, num_cpus) do not apply: size `router.num_cpus` for its work."
     )
+
+    lora: LoraTargetConfig | None = Field(
+        None, description="Serve LoRA adapters over this target's model, each its own model name, verified in the "
+        "same forwards (docs/SERVING.md, 'LoRA targets'); tp_size 1 only.")
+
+    @model_validator(mode="after")
+    def _lora_single_rank(self) -> "TargetSpec":
+        if self.lora is not None and self.tp_size > 1:
+            raise ValueError(f"target {self.name}: lora adapters are not supported on tensor-parallel targets yet "
+                             "(tp_size > 1); serve them from a tp_size 1 target")
+        return self
 
     @model_validator(mode="after")
     def _tp_dtype(self) -> "TargetSpec":
@@ -388,10 +400,10 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":
-        names = [t.name for t in self.targets]
+        names = [t.name for t in self.targets] + [a for t in self.targets if t.lora for a in t.lora.adapters]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"target names must be unique; repeated: {dupes}")
+            raise ValueError(f"target and adapter names must be unique; repeated: {dupes}")
         sharded = [t.name for t in self.targets if t.tp_size > 1]
         if self.deterministic and sharded:  # sharded projections are DeepSpeed's, not the mode's row-chunked ones
             raise ValueError(f"deterministic: true does not cover tensor-parallel targets {sharded}; set tp_size: 1")

@@ -38,6 +38,8 @@ from .http_api import (
 )
 from .keepalive import keepalive, settled_within
 from .loaders import load_tokenizer
+from .lora import RouterAdapters, load_adapter, unload_adapter
+from .lora_config import LoadLoraRequest, UnloadLoraRequest
 from .metrics import ServeMetrics, prefix_cache_totals
 from .metrics_hub import HubPusher
 from .openai_protocol import (
@@ -125,12 +127,14 @@ class Router:
             {t.name: None if t.placement == "router" else f"target-{t.name}" for t in cfg.targets},  # build_app's names
             "draft" if cfg.draft_deployment else None)
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
+        self.adapters = RouterAdapters(cfg)  # LoRA adapters: model names decoded by their base's engine
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
                                   cfg.trust_remote_code)
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
+        self.models.update({a: replace(self.models[base], name=a) for a, base in self.adapters.base_of.items()})
         logger.info("router: targets %s (sequences admitted at once %s), draft %s, tenants %s (isolation %s)",
                     sorted(self.models), {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, self.tenants.names or "none: open",
@@ -251,8 +255,22 @@ class Router:
     async def list_models(self, request: Request) -> dict:
         self.tenants.authenticate(request)
         return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context}
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context,
+             "parent": self.adapters.base_of.get(m.name)}
             for m in self.models.values()]}
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=body_schema(LoadLoraRequest))
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime adapter load (serve/lora.py)."""
+        self.tenants.require_operator(request)  # an adapter changes what every tenant is served
+        body = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), LoadLoraRequest)
+        return JSONResponse(await load_adapter(self, body))
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body_schema(UnloadLoraRequest))
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self.tenants.require_operator(request)  # an adapter changes what every tenant is served
+        body = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), UnloadLoraRequest)
+        return JSONResponse(await unload_adapter(self, body, self.cfg.limits.request_timeout_s))
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -402,7 +420,8 @@ class Router:
         scope = self.tenants.cache_scope(req.tenant, req.cache_salt)
         end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
         gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
-        sched = self.schedulers[req.model]
+        base, gen = self.adapters.generation(req.model, gen)  # an adapter's rows decode on its base's engine
+        sched = self.schedulers[base]
         arrival, first_token = time.perf_counter(), None
         text = TextAssembler(info, gen.stop_strings)
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned

@@ -15,9 +15,10 @@ from ..core.target import TargetVerifier
 from ..core.types import ScoreRequest
 from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
+from .lora import new_bank, register_adapter, score_by_adapters
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, device_report, process_model_thread, release_all, replica_id,
-    return_freed_memory, score_counted, sized_rows, split_like, target_window,
+    return_freed_memory, sized_rows, split_like, target_window,
 )
 from .tp import TPGroup
 
@@ -35,7 +36,7 @@ class LocalTarget:
 
     async def score(self, requests: list[ScoreRequest], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
         """Logits and tokens recomputed per request (see replica.recomputed_tokens)."""
-        out, cpu = await self.thread.run_timed(score_counted, self.verifier, requests, expected)
+        out, cpu = await self.thread.run_timed(score_by_adapters, self.verifier, requests, expected)
         self.cpu_s += cpu
         return out
 
@@ -43,7 +44,7 @@ class LocalTarget:
         """`score` for a caller already on the model thread (a router's round run there whole)."""
         cpu = time.thread_time()
         try:
-            return score_counted(self.verifier, requests, expected)
+            return score_by_adapters(self.verifier, requests, expected)
         finally:
             self.cpu_s += time.thread_time() - cpu
 
@@ -77,12 +78,18 @@ class TargetDeployment:
         set_threads(cfg.num_threads)
         self.name = name
         max_slots = target_window(cfg, name)
+        self.lora = None
         if spec.tp_size > 1:
             self.backend = TPGroup(ecfg, spec, cfg.limits.score_timeout_s, max_slots)
             self.max_rows = self.backend.max_rows
         else:
             model = load_target(ecfg).model
-            verifier = build_verifier(model, ecfg)
+            self.lora = new_bank(spec)  # LoRA adapters verified per row (serve/lora.py), None without `lora:`
+            verifier = build_verifier(model, ecfg, lora=self.lora)
+            for adapter, where in (spec.lora.adapters.items() if spec.lora else ()):
+                loaded = register_adapter(self.lora, adapter, where)
+                if "error" in loaded:
+                    raise ValueError(f"target {name}: {loaded['error']}")
             self.max_rows = sized_rows(spec, model, max_slots)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)
@@ -154,11 +161,24 @@ class TargetDeployment:
         self.idle.forget(seq_id)
         release_all(self.backend.verifier, [seq_id])
 
+    async def load_adapter(self, name: str, where: str, affinity: str | None = None) -> dict:
+        """Register a LoRA adapter on this replica (between forwards, on the model thread): {"loaded"} or
+        {"error"}."""
+        if self.lora is None:
+            return {**register_adapter(None, name, where), "replica": self.replica}
+        return {**await self.backend.thread.run(register_adapter, self.lora, name, where), "replica": self.replica}
+
+    async def unload_adapter(self, name: str, affinity: str | None = None) -> dict:
+        """Forget an adapter on this replica: {"unloaded": whether it was registered}."""
+        gone = self.lora is not None and await self.backend.thread.run(self.lora.unregister, name)
+        return {"unloaded": gone, "replica": self.replica}
+
     async def stats(self, affinity: str | None = None) -> dict:
         """affinity: read by the request router only (/health asks each replica with a key pinned to it)."""
         return {"replica": self.replica, "num_active": await self.backend.num_active(), "num_calls": self.num_calls,
                 "num_forwards": self.num_forwards, "recomputed_tokens": self.recomputed,
-                "max_live_sequences": self.max_rows, **self.backend.describe(), "gc": gc_pauses().snapshot()}
+                "max_live_sequences": self.max_rows, **self.backend.describe(), "gc": gc_pauses().snapshot(),
+                **({"lora": self.lora.stats()} if self.lora is not None else {})}
 
     async def check_health(self) -> None:
         """Raises when the model thread or any TP rank stops answering; drops state of long-idle sequences."""

@@ -106,7 +106,7 @@ def test_a_router_never_decodes_more_sequences_than_a_replica_keeps_rows_for():
         assert t.max_live_sequences == max(32, t.max_concurrent_sequences)
         assert cfg.max_sequences(t.name) == t.max_concurrent_sequences
     assert cfg.max_sequences("smollm2-135m-instruct") == cfg.target("smollm2-135m-instruct").max_live_sequences == 64
-    assert cfg.draft.max_live_sequences == sum(cfg.max_sequences(t.name) for t in cfg.targets) == 76
+    assert cfg.draft.max_live_sequences == sum(cfg.max_sequences(t.name) for t in cfg.targets) == 68
     capped = AppConfig.model_validate({"targets": [{"name": "a", "max_concurrent_sequences": 64,
                                                     "max_live_sequences": 16}], "draft": {"max_live_sequences": 8}})
     assert capped.max_sequences("a") == 16

@@ -328,7 +328,8 @@ def sse_server():
 def test_load_client_measures_levels_and_counts_errors(sse_server, tmp_path):
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, plot_load, run_load, serve_markdown
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import plot_load, serve_markdown
 
     run = LoadRun(sse_server, "m", [1, 4], requests=6, max_seconds=20, max_tokens=10, timeout=5)
     result = asyncio.run(run_load(run, ["hello", "FAIL", "world"]))
@@ -346,7 +347,8 @@ def test_load_client_measures_levels_and_counts_errors(sse_server, tmp_path):
 def test_compare_plain_runs_each_level_both_ways_and_reports_the_ratio(sse_server, tmp_path):
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, compared_levels, plot_load, run_load, serve_markdown
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import compared_levels, plot_load, serve_markdown
 
     run = LoadRun(sse_server, "m", [1, 2], requests=4, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True)
     result = asyncio.run(run_load(run, ["hello"]))
@@ -378,7 +380,8 @@ def test_twin_pairs_alternate_served_and_in_process_runs_of_the_same_requests(ss
     concurrency 1 alternate which side goes first, and the twin decodes exactly the requests the served level sent."""
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import serve_markdown
 
     twin = CountingTwin()
     run = LoadRun(sse_server, "m", [1], requests=2, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True,
@@ -398,7 +401,8 @@ def test_twin_pairs_run_at_each_twin_concurrency_with_as_many_in_process_clients
     control: a twin run at concurrency 1 for the level 3 pairs would show in its calls), medians per variant and level."""
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import serve_markdown
 
     twin = CountingTwin()
     run = LoadRun(sse_server, "m", [1], requests=3, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True,
@@ -505,7 +509,8 @@ def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
     round and a call per chunk: 5 per request, 10 with speculate false); the markdown tabulates them."""
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, run_load, serve_markdown
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import serve_markdown
     from s2d_ray.bench.server_clocks import timing_delta
 
     run = LoadRun(sse_server, "m", [1, 2], requests=4, max_seconds=20, max_tokens=10, timeout=5, compare_plain=True)
@@ -526,7 +531,7 @@ def test_each_level_records_what_it_added_to_the_servers_clocks(sse_server):
 def test_each_level_shows_where_its_rounds_went_by_kind():
     """The budget's `spent` account (cumulative rounds, seconds, tokens per kind of round) is diffed per level and
     tabulated with ms per token; kinds a level did not run stay out."""
-    from s2d_ray.bench.serve import serve_markdown
+    from s2d_ray.bench.serve_report import serve_markdown
     from s2d_ray.bench.server_clocks import timing_delta
 
     clocks = lambda rounds, spent: {"round": {"rounds": rounds, "mean_round_ms": 10.0},  # noqa: E731
