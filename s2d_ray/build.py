@@ -258,7 +258,8 @@ def build_verifier(model: torch.nn.Module, cfg: EngineConfig | None = None, kern
     cfg = cfg if cfg is not None else EngineConfig()
     return TargetVerifier(model, cuda_graphs=cfg.cuda_graphs if cuda_graphs is None else cuda_graphs,
                           kernels=kernels if kernels is not None else make_kernels(cfg),
-                          prefix_cache=prefix_cache if prefix_cache is not None else kept)
+                          prefix_cache=prefix_cache if prefix_cache is not None else kept,
+                          mix_prompts=cfg.prompt_round_tokens > 0)
 
 
 def build_drafter(draft: SortedDraft, cfg: EngineConfig | None = None, cuda_graphs: bool | None = None,
@@ -305,7 +306,7 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
     logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s suffix=%s", cfg.target.name,
                 cfg.spec.mode, spec.policy, spec.k, spec.width, spec.lookup, store_spec)
     return make_engine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
-                       budget=budget, plain_steps=plain_steps, suffix=suffix)
+                       budget=budget, plain_steps=plain_steps, suffix=suffix, prompt_tokens=cfg.prompt_round_tokens)
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_steps: int = 1) -> Built:

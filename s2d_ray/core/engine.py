@@ -31,6 +31,7 @@ from .budget import RoundObservation, SpeculationBudget
 from .calls import Calls, drive, drive_async
 from .draft import Drafter
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from .mixed import round_prompt_positions
 from .policy import DraftLengthPolicy, HeuristicK
 from .processors import LogitsProcessor, process_rows, prune_banned
 from .sampling import Sampler, rejection_sample, round_generator
@@ -93,6 +94,7 @@ class _Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
+    prefilled: int = 0  # prompt positions sent to the verifier in earlier rounds' chunks (chunked prefill)
 
     @property
     def tokens(self) -> list[int]:
@@ -113,6 +115,7 @@ class SpecEngine:
         budget: SpeculationBudget | None = None,
         plain_steps: int = 1,
         suffix: SuffixStore | None = None,
+        prompt_tokens: int = 0,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
         # Earlier outputs as candidates (the drafter reads the same store); finished outputs are added here.
@@ -120,6 +123,10 @@ class SpecEngine:
         # Greedy steps per verifier call in a round where no row has draft tokens (ScoreRequest.steps): the router
         # asks for several (each call costs a deployment round trip); one step per call gives the same tokens.
         self.plain_steps = plain_steps
+        # Prompt positions a round carries beside running streams (0: every prompt fills whole in the round it
+        # joins): a long prompt then fills over several rounds, its chunks in the decode rows' forward
+        # (core/mixed.py), and running streams keep their pace. With a cost model the budget prices the chunk.
+        self.prompt_tokens = prompt_tokens
         self.policy = policy or HeuristicK()
         # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
         self.budget = budget
@@ -184,6 +191,8 @@ class SpecEngine:
         live = self._live(only)
         if not live:
             return []
+        chunks = self.prompt_chunks(live)
+        live = [seq for seq in live if seq.req.seq_id not in chunks]
         lengths = [len(seq.tokens) for seq in live]  # as planned (commit appends)
         drafts = self.plan(live)
         t0 = time.perf_counter()
@@ -191,9 +200,12 @@ class SpecEngine:
         proposals = self.shape_trees(live, self.prune(live, drafted))
         t1 = time.perf_counter()
         requests = self.score_requests(drafts, proposals)
-        logits = yield from stepped_scores(self.verifier.score, requests)
+        logits = yield from stepped_scores(self.verifier.score, requests + [c for c in chunks.values() if c])
+        logits = logits[: len(requests)]  # a chunk's one row is not used: its sequence emits when its prompt is full
         t2 = time.perf_counter()
-        facts = self._round_facts(live, requests, proposals, (t0, t1, t2)) if self._sized else {}  # before commit
+        if not live:
+            return []
+        facts = self._round_facts(live, requests, proposals, (t0, t1, t2), bool(chunks)) if self._sized else {}
         outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
         if self._sized:
             self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
@@ -206,6 +218,32 @@ class SpecEngine:
             raise TypeError("only: a collection of sequence ids, not one id")
         wanted = set(only)
         return [seq for seq in self.seqs.values() if seq.req.seq_id in wanted]
+
+    def prompt_chunks(self, live: list[_Sequence]) -> dict[str, ScoreRequest | None]:
+        """Step 0: the rows that fill only part of their prompt this round (seq id -> the verifier request of its
+        chunk, KV only; None: the row waits for a later round). Only while some row decodes (a round of prompts alone fills them whole, the fastest first
+        token) and `prompt_tokens` is set; the round's prompt positions go first come first served and are priced by
+        the budget's cost model when it has one (`SpeculationBudget.prompt_positions`). A row that wants prompt
+        logprobs fills whole: its first round scores every prompt position."""
+        decoding = [seq for seq in live if seq.generated]
+        waiting = [seq for seq in live if not seq.generated and not seq.req.prompt_logprobs]
+        if not self.prompt_tokens or not decoding or not waiting:
+            return {}
+        allowance = self.prompt_tokens
+        if self._sized:
+            allowance = self.budget.prompt_positions(len(decoding), allowance)
+        pending = [len(seq.req.prompt_ids) - seq.prefilled for seq in waiting]
+        chunks = {}
+        for seq, n, take in zip(waiting, pending, round_prompt_positions(pending, allowance)):
+            if take >= n:
+                continue  # the rest of its prompt fits: the row runs this round whole and emits its first token
+            seq.prefilled += take
+            if take > 0:
+                tokens = seq.req.prompt_ids[: seq.prefilled]
+                chunks[seq.req.seq_id] = ScoreRequest(seq.req.seq_id, tokens, 1, argmax_only=True)
+            else:
+                chunks[seq.req.seq_id] = None
+        return chunks
 
     def plan(self, live: list[_Sequence]) -> list[DraftRequest]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
@@ -408,12 +446,12 @@ class SpecEngine:
         return None
 
     def _round_facts(self, live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
-                     times: tuple[float, float, float]) -> dict[str, Any]:
+                     times: tuple[float, float, float], chunks: bool = False) -> dict[str, Any]:
         """What the budget learns a round by that commit changes (`RoundObservation` fields): the draft's seconds,
         whether a row filled its prompt (`prompt`; else `batch`, the rows, for a round that may be timed), the
         verification when it was a one-step decode round, and the most tree nodes a row verified."""
         t0, t1, t2 = times
-        decode = all(seq.generated for seq in live)
+        decode = all(seq.generated for seq in live) and not chunks  # a prompt chunk's forward is no decode cost
         one_step = decode and not any(r.steps > 1 for r in requests)
         verify = (t2 - t1, len(requests), max(r.num_logits for r in requests)) if one_step else None
         return dict(draft_seconds=t1 - t0, verify=verify, batch=len(live) if decode else None, prompt=not decode,
