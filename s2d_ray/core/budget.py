@@ -239,6 +239,14 @@ class SpeculationBudget:
                 hi = mid - 1
         return lo
 
+    def lookup_pays(self, batch: int) -> bool:
+        """Whether a round that does not draft should gather lookup candidates at all: not once lookup-only tree rounds
+        measured slower per token than plain rounds at about this batch size (except in the rounds that re-check it,
+        `Exploration.flips_trees`); such a round is then plain decoding with nothing else on it."""
+        if self.costs is None:
+            return True
+        return self.measured_better(batch, "tree", "plain") is not False or self.exploration.flips_trees(self.rounds)
+
     def verify_ms(self, batch: int, positions: int) -> float:
         """Modelled ms of verifying `batch` rows of `positions`: the calibrated grid times the learned factor."""
         return self.scale * self.costs.verify(batch, positions)

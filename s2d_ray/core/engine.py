@@ -33,6 +33,7 @@ from .draft import Drafter
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from .mixed import round_prompt_positions
 from .policy import DraftLengthPolicy, HeuristicK
+from .profile import RoundProfile
 from .processors import LogitsProcessor, process_rows, prune_banned
 from .sampling import Sampler, rejection_sample, round_generator
 from .steps import stepped_scores
@@ -135,6 +136,7 @@ class SpecEngine:
         self.max_context = max_context
         self.detokenize = detokenize
         self.seqs: dict[str, _Sequence] = {}
+        self.profile = RoundProfile()  # where rounds spend their time (draft, verify, prompt, host), for stats
         self.vocab: int | None = None  # the target's logit width, learnt from its first full rows (probing needs it)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -191,24 +193,32 @@ class SpecEngine:
         live = self._live(only)
         if not live:
             return []
+        start = time.perf_counter()
         chunks = self.prompt_chunks(live)
         live = [seq for seq in live if seq.req.seq_id not in chunks]
         lengths = [len(seq.tokens) for seq in live]  # as planned (commit appends)
         drafts = self.plan(live)
         t0 = time.perf_counter()
         drafted = yield from self._propose(drafts)
+        t_drafted = time.perf_counter()
         proposals = self.shape_trees(live, self.prune(live, drafted))
         t1 = time.perf_counter()
         requests = self.score_requests(drafts, proposals)
         logits = yield from stepped_scores(self.verifier.score, requests + [c for c in chunks.values() if c])
         logits = logits[: len(requests)]  # a chunk's one row is not used: its sequence emits when its prompt is full
         t2 = time.perf_counter()
-        if not live:
-            return []
-        facts = self._round_facts(live, requests, proposals, (t0, t1, t2), bool(chunks)) if self._sized else {}
-        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
-        if self._sized:
-            self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
+        outputs = []
+        if live:
+            facts = self._round_facts(live, requests, proposals, (t0, t1, t2), bool(chunks)) if self._sized else {}
+            outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+            if self._sized:
+                self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
+        kind = "speculative" if any(p.tokens for p in proposals) else "plain"
+        # the verification carried prompt positions: a chunk, or a row that had generated nothing when planned
+        prompt = bool(chunks) or any(n == len(seq.req.prompt_ids) for seq, n in zip(live, lengths))
+        asked = self.drafter is not None and any(d.k > 0 or d.tree for d in drafts)  # else no drafter call: host work
+        self.profile.add(kind, sum(len(o.new_tokens) for o in outputs), time.perf_counter() - start,
+                         t_drafted - t0 if asked else 0.0, t2 - t1, prompt)
         return outputs
 
     def _live(self, only: Collection[str] | None) -> list[_Sequence]:
@@ -256,6 +266,9 @@ class SpecEngine:
         width = self.budget.shape.width if self.trees else 1
         frontier = self.budget.shape.frontier if self.trees else 1
         min_score = plan.min_score if plan is not None else 0.0
+        # A round in which the draft does not run and lookup candidates do not pay (or there are none) is plain
+        # decoding at plain's cost: nothing is proposed, no tree is shaped, the verifier takes its plain steps.
+        candidates = plan is None or plan.depth > 0 or self._lookup_pays(len(live))
         drafts = []
         for i, seq in enumerate(live):
             k = seq.k if plan is None else 0 if i in plan.hold else plan.depth
@@ -266,9 +279,15 @@ class SpecEngine:
                 # prompt in the row's next drafting round.
                 k = 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
-                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
+                                       tree=self.trees and seq.req.speculate and candidates, width=width,
+                                       min_score=min_score,
                                        frontier=frontier, suffix_scope=seq.req.suffix_scope))
         return drafts
+
+    def _lookup_pays(self, batch: int) -> bool:
+        """Whether a round without the draft still gathers candidates (prompt lookup, earlier outputs)."""
+        has_source = self.budget.shape.lookup or self.suffix is not None
+        return has_source and self.budget.lookup_pays(batch)
 
     def _remaining(self, seq: _Sequence) -> int:
         """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
@@ -304,7 +323,7 @@ class SpecEngine:
     def shape_trees(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
         """Between propose and verify: keep each tree's most likely nodes, as many as the modelled cost pays for
         (the same count for every row), never deeper than the sequence can still use."""
-        if not self.trees:
+        if not self.trees or not any(p.tokens for p in proposals):
             return proposals
         trees = [_as_tree(p) for p in proposals]
         acc = self.budget.acceptance
