@@ -196,3 +196,18 @@ def test_the_flag_selects_the_deterministic_kernels_for_the_target_only():
     app["targets"][0]["tp_size"] = 2  # not covered: refused, never silently non-deterministic
     with pytest.raises(ValueError, match="tensor-parallel"):
         AppConfig.model_validate(app)
+
+
+def test_the_mode_is_refused_off_the_cpu():
+    """On CUDA norms and reductions are not batch-invariant yet: the mode refuses to build there, naming the field."""
+    from s2d_ray.build import build_verifier, check_deterministic_device
+    from s2d_ray.config import EngineConfig
+    from s2d_ray.errors import ConfigError
+
+    cfg = EngineConfig(deterministic=True)
+    with pytest.raises(ConfigError, match="deterministic: true runs on the CPU only"):
+        check_deterministic_device(cfg, "cuda")
+    check_deterministic_device(cfg, "cpu")
+    check_deterministic_device(EngineConfig(), "cuda")  # the control: the default kernels are not refused
+    with pytest.raises(ConfigError, match="deterministic"):  # a model that is not on the CPU
+        build_verifier(make_tiny_llama().to("meta"), cfg)
