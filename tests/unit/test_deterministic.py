@@ -20,6 +20,7 @@ from s2d_ray.core.tree import TokenTree
 from s2d_ray.core.types import ScoreRequest
 from s2d_ray.kernels import CpuKernels, DeterministicKernels
 from s2d_ray.kernels.deterministic import CHUNK_ROWS, RowChunkedLinear
+from s2d_ray.kernels.linear import supported
 
 DET = DeterministicKernels()
 DTYPES = [torch.bfloat16, torch.float32]
@@ -136,6 +137,7 @@ def test_row_chunked_linear_is_row_invariant():
         w = torch.randn(40, 96, generator=gen).to(dtype)
         x = torch.randn(2 * CHUNK_ROWS + 3, 96, generator=gen).to(dtype)
         lin = RowChunkedLinear(w)
+        assert lin.reordered == (dtype != torch.float64 and supported(dtype))  # the reordered copy where oneDNN runs
         rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
         assert torch.equal(lin(x), rows)
         assert torch.equal(lin(x.view(1, -1, 96))[0], rows)
