@@ -213,3 +213,10 @@ def test_the_mode_is_refused_off_the_cpu():
     check_deterministic_device(EngineConfig(), "cuda")  # the control: the default kernels are not refused
     with pytest.raises(ConfigError, match="deterministic"):  # a model that is not on the CPU
         build_verifier(make_tiny_llama().to("meta"), cfg)
+    from s2d_ray.serve.app_config import AppConfig
+
+    app = {"targets": [{"name": "t", "source": "smollm2-135m-instruct", "num_gpus": 1}], "deterministic": True}
+    with pytest.raises(ValueError, match="CPU only"):  # the served app refuses it when the config is read
+        AppConfig.model_validate(app)
+    app["deterministic"] = False
+    AppConfig.model_validate(app)  # the control
