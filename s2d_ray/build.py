@@ -64,6 +64,15 @@ def make_kernels(cfg: EngineConfig | None = None) -> Kernels:
                                     idle_cores=IdleCores.here)
 
 
+def check_deterministic_device(cfg: EngineConfig, device: torch.device | str) -> None:
+    """`deterministic` only where its guarantee holds: the CPU. On CUDA, RMSNorm's and other reductions' order
+    follows the row count, so a verified position would not equal a decode step bit for bit there."""
+    if cfg.deterministic and torch.device(device).type != "cpu":
+        raise ConfigError(f"deterministic: true runs on the CPU only; on {torch.device(device).type} norms and "
+                          "reductions are not batch-invariant yet, so its guarantee would not hold (set "
+                          "deterministic: false, or run on the CPU)")
+
+
 def make_draft_kernels(cfg: EngineConfig | None = None) -> Kernels:
     """The draft's backend: the config's, but never the deterministic one (the target decides every token, so the
     draft needs no determinism and keeps the fast kernels)."""
@@ -258,9 +267,11 @@ def build_verifier(model: torch.nn.Module, cfg: EngineConfig | None = None, kern
     TP rank's all-reduces). `lora`: the adapters its rows may name (core/lora.py)."""
     kept = cfg.prefix_cache.spec() if cfg is not None else None
     cfg = cfg if cfg is not None else EngineConfig()
+    check_deterministic_device(cfg, model.lm_head.weight.device if hasattr(model, "lm_head") else "cpu")
     return TargetVerifier(model, cuda_graphs=cfg.cuda_graphs if cuda_graphs is None else cuda_graphs,
                           kernels=kernels if kernels is not None else make_kernels(cfg),
-                          prefix_cache=prefix_cache if prefix_cache is not None else kept, lora=lora)
+                          prefix_cache=prefix_cache if prefix_cache is not None else kept, lora=lora,
+                          mix_prompts=cfg.prompt_round_tokens > 0)
 
 
 def build_drafter(draft: SortedDraft, cfg: EngineConfig | None = None, cuda_graphs: bool | None = None,
@@ -307,11 +318,12 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
     logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s suffix=%s", cfg.target.name,
                 cfg.spec.mode, spec.policy, spec.k, spec.width, spec.lookup, store_spec)
     return make_engine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
-                       budget=budget, plain_steps=plain_steps, suffix=suffix)
+                       budget=budget, plain_steps=plain_steps, suffix=suffix, prompt_tokens=cfg.prompt_round_tokens)
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_steps: int = 1) -> Built:
     cfg = with_resolved_dtype(cfg, default_device().type)
+    check_deterministic_device(cfg, target.model.device if target is not None else default_device())
     set_threads(cfg.num_threads)
     target = target or load_target(cfg)
     profile = load_profile(cfg)

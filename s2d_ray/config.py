@@ -240,6 +240,12 @@ class EngineConfig(_Strict):
     linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
     kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
     deterministic: bool = Field(False, description=DETERMINISTIC_HELP)
+    prompt_round_tokens: int = Field(
+        128, ge=0, description="Prompt positions a round carries beside running streams: a longer prompt fills over "
+        "several rounds, its chunks in the same target forward as the decode and verify positions, so it does not "
+        "stall them (with a calibration the cost grid may lower it, so a round costs at most about two plain steps). "
+        "0: every prompt fills whole in the round it joins, in forwards of its own."
+    )
     prefix_cache: PrefixCacheConfig = Field(PrefixCacheConfig(), description="Prefix cache across requests.")
     suffix: SuffixConfig = Field(SuffixConfig(), description="Drafting from earlier outputs (off by default).")
 

@@ -90,7 +90,23 @@ def twin_markdown(twin: dict) -> str:
                      f"{_f(1e3 * t['decode_round_s'] / other if other else None)} | "
                      f"{'yes' if x['equal_tokens'] else 'no'} |")
     medians = ", ".join(f"{v} {_f(r, '{:.3f}')}" for v, r in twin["median_ratio"].items())
-    return "\n".join(lines + ["", f"Median served / twin: {medians}."]) + "\n"
+    return "\n".join(lines + ["", f"Median served / twin: {medians}."] + profile_lines(twin["pairs"])) + "\n"
+
+
+def profile_lines(pairs: list[dict]) -> list[str]:
+    """The twins' rounds by kind and part (core/profile.py): where each variant's time per emitted token goes."""
+    rows = [(x, kind, p) for x in pairs for kind, p in (x["twin"].get("profile") or {}).items()]
+    if not rows:
+        return []
+    lines = ["", "Twin rounds by part, ms per emitted token (draft: the drafter's call, lookup included; prompt: "
+             "verifications that carried prompt positions; host: planning, tree shaping, acceptance, commit):", "",
+             "| concurrency | pair | variant | rounds | kind | draft | verify | prompt | host | total |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x, kind, p in rows:
+        lines.append(f"| {x['concurrency']} | {x['pair']} | {x['variant']} | {p['rounds']} | {kind} | "
+                     f"{p['draft_ms_per_token']:.2f} | {p['verify_ms_per_token']:.2f} | "
+                     f"{p['prompt_ms_per_token']:.2f} | {p['host_ms_per_token']:.2f} | {p['ms_per_token']:.2f} |")
+    return lines
 
 
 def compared_levels(result: dict) -> list[tuple[int, float, float]]:

@@ -60,6 +60,7 @@ def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int,
     todo = [GenerationRequest(f"twin-{i}", twin.prompt_ids[i % n_prompts], max_tokens, params, twin.eos,
                               speculate=speculate) for i in range(requests)]
     spent_before = eng.budget.spent_by_kind() if eng.budget is not None else None
+    profile_before = eng.profile.snapshot()
     pauses = gc_pauses()
     gc_before = (sum(pauses.count), sum(pauses.seconds))
     outputs: dict[str, list[int]] = {r.seq_id: [] for r in todo}
@@ -98,6 +99,8 @@ def run_twin_level(twin: Twin, concurrency: int, requests: int, max_tokens: int,
         "gc": {"collections": sum(pauses.count) - gc_before[0],
                "ms": round(1e3 * (sum(pauses.seconds) - gc_before[1]), 1)},  # this process's pauses in the level
         "spent": spent_delta(spent_before, eng.budget.spent_by_kind()) if eng.budget is not None else None,
+        # ms per token by part (draft, verify, prompt, host) of speculative and plain rounds (core/profile.py)
+        "profile": eng.profile.since(profile_before),
         "token_ids": [outputs[f"twin-{i}"] for i in range(requests)],
     }
 

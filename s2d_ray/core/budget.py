@@ -125,6 +125,10 @@ class SpeculationBudget:
     # nearly every prompt out of the draft and lost to drafting every prompt (lookup merged into the draft's trees is
     # what pays there).
     CATCH_UP_FROM = 2
+    # A round that carries prompt chunks beside decoding rows may cost this many plain decode rounds: running streams
+    # slow by at most that while a prompt joins, instead of waiting for its whole prefill.
+    PROMPT_STALL = 2.0
+    MIN_PROMPT_POSITIONS = 32
 
     def __init__(self, shape: TreeShape, costs: CostModel | None, max_depth: int) -> None:
         self.shape, self.costs, self.max_depth = shape, costs, max_depth
@@ -217,6 +221,31 @@ class SpeculationBudget:
         if verify is not None and self.costs is not None:
             v_s, batch, positions = verify
             self.scale = self._ema(self.scale, min(max(1000.0 * v_s / self.costs.verify(batch, positions), 0.25), 8.0))
+
+    def prompt_positions(self, batch: int, cap: int) -> int:
+        """Prompt positions a round of `batch` decoding rows may carry beside them (at most `cap`): the most whose
+        mixed forward (the decode rows' positions plus the chunk's, priced on the same grid as verification, flattened
+        as costs.py prices a forward) stays within `PROMPT_STALL` plain decode rounds; never fewer than
+        `MIN_PROMPT_POSITIONS`, so a prompt always progresses."""
+        if self.costs is None or cap <= self.MIN_PROMPT_POSITIONS:
+            return cap
+        limit = self.PROMPT_STALL * self.verify_ms(batch, 1)
+        lo, hi = self.MIN_PROMPT_POSITIONS, cap  # verify(1, batch + lo) is taken to fit; find the last that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.verify_ms(1, batch + mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def lookup_pays(self, batch: int) -> bool:
+        """Whether a round that does not draft should gather lookup candidates at all: not once lookup-only tree rounds
+        measured slower per token than plain rounds at about this batch size (except in the rounds that re-check it,
+        `Exploration.flips_trees`); such a round is then plain decoding with nothing else on it."""
+        if self.costs is None:
+            return True
+        return self.measured_better(batch, "tree", "plain") is not False or self.exploration.flips_trees(self.rounds)
 
     def verify_ms(self, batch: int, positions: int) -> float:
         """Modelled ms of verifying `batch` rows of `positions`: the calibrated grid times the learned factor."""

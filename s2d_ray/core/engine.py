@@ -31,7 +31,9 @@ from .budget import RoundObservation, SpeculationBudget
 from .calls import Calls, drive, drive_async
 from .draft import Drafter
 from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from .mixed import round_prompt_positions
 from .policy import DraftLengthPolicy, HeuristicK
+from .profile import RoundProfile
 from .processors import LogitsProcessor, process_rows, prune_banned
 from .sampling import Sampler, rejection_sample, round_generator
 from .steps import stepped_scores
@@ -98,6 +100,7 @@ class _Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
+    prefilled: int = 0  # prompt positions sent to the verifier in earlier rounds' chunks (chunked prefill)
 
     @property
     def tokens(self) -> list[int]:
@@ -118,6 +121,7 @@ class SpecEngine:
         budget: SpeculationBudget | None = None,
         plain_steps: int = 1,
         suffix: SuffixStore | None = None,
+        prompt_tokens: int = 0,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
         # Earlier outputs as candidates (the drafter reads the same store); finished outputs are added here.
@@ -125,6 +129,10 @@ class SpecEngine:
         # Greedy steps per verifier call in a round where no row has draft tokens (ScoreRequest.steps): the router
         # asks for several (each call costs a deployment round trip); one step per call gives the same tokens.
         self.plain_steps = plain_steps
+        # Prompt positions a round carries beside running streams (0: every prompt fills whole in the round it
+        # joins): a long prompt then fills over several rounds, its chunks in the decode rows' forward
+        # (core/mixed.py), and running streams keep their pace. With a cost model the budget prices the chunk.
+        self.prompt_tokens = prompt_tokens
         self.policy = policy or HeuristicK()
         # Trees (width > 1 or lookup candidates) and/or cost-based, load-aware sizing; None: chains of the policy's k.
         self.budget = budget
@@ -133,6 +141,7 @@ class SpecEngine:
         self.max_context = max_context
         self.detokenize = detokenize
         self.seqs: dict[str, _Sequence] = {}
+        self.profile = RoundProfile()  # where rounds spend their time (draft, verify, prompt, host), for stats
         self.vocab: int | None = None  # the target's logit width, learnt from its first full rows (probing needs it)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -189,19 +198,32 @@ class SpecEngine:
         live = self._live(only)
         if not live:
             return []
+        start = time.perf_counter()
+        chunks = self.prompt_chunks(live)
+        live = [seq for seq in live if seq.req.seq_id not in chunks]
         lengths = [len(seq.tokens) for seq in live]  # as planned (commit appends)
         drafts = self.plan(live)
         t0 = time.perf_counter()
         drafted = yield from self._propose(drafts)
+        t_drafted = time.perf_counter()
         proposals = self.shape_trees(live, self.prune(live, drafted))
         t1 = time.perf_counter()
         requests = self.score_requests(drafts, proposals)
-        logits = yield from stepped_scores(self.verifier.score, requests)
+        logits = yield from stepped_scores(self.verifier.score, requests + [c for c in chunks.values() if c])
+        logits = logits[: len(requests)]  # a chunk's one row is not used: its sequence emits when its prompt is full
         t2 = time.perf_counter()
-        facts = self._round_facts(live, requests, proposals, (t0, t1, t2)) if self._sized else {}  # before commit
-        outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
-        if self._sized:
-            self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
+        outputs = []
+        if live:
+            facts = self._round_facts(live, requests, proposals, (t0, t1, t2), bool(chunks)) if self._sized else {}
+            outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
+            if self._sized:
+                self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
+        kind = "speculative" if any(p.tokens for p in proposals) else "plain"
+        # the verification carried prompt positions: a chunk, or a row that had generated nothing when planned
+        prompt = bool(chunks) or any(n == len(seq.req.prompt_ids) for seq, n in zip(live, lengths))
+        asked = self.drafter is not None and any(d.k > 0 or d.tree for d in drafts)  # else no drafter call: host work
+        self.profile.add(kind, sum(len(o.new_tokens) for o in outputs), time.perf_counter() - start,
+                         t_drafted - t0 if asked else 0.0, t2 - t1, prompt)
         return outputs
 
     def _live(self, only: Collection[str] | None) -> list[_Sequence]:
@@ -211,6 +233,32 @@ class SpecEngine:
             raise TypeError("only: a collection of sequence ids, not one id")
         wanted = set(only)
         return [seq for seq in self.seqs.values() if seq.req.seq_id in wanted]
+
+    def prompt_chunks(self, live: list[_Sequence]) -> dict[str, ScoreRequest | None]:
+        """Step 0: the rows that fill only part of their prompt this round (seq id -> the verifier request of its
+        chunk, KV only; None: the row waits for a later round). Only while some row decodes (a round of prompts alone fills them whole, the fastest first
+        token) and `prompt_tokens` is set; the round's prompt positions go first come first served and are priced by
+        the budget's cost model when it has one (`SpeculationBudget.prompt_positions`). A row that wants prompt
+        logprobs fills whole: its first round scores every prompt position."""
+        decoding = [seq for seq in live if seq.generated]
+        waiting = [seq for seq in live if not seq.generated and not seq.req.prompt_logprobs]
+        if not self.prompt_tokens or not decoding or not waiting:
+            return {}
+        allowance = self.prompt_tokens
+        if self._sized:
+            allowance = self.budget.prompt_positions(len(decoding), allowance)
+        pending = [len(seq.req.prompt_ids) - seq.prefilled for seq in waiting]
+        chunks = {}
+        for seq, n, take in zip(waiting, pending, round_prompt_positions(pending, allowance)):
+            if take >= n:
+                continue  # the rest of its prompt fits: the row runs this round whole and emits its first token
+            seq.prefilled += take
+            if take > 0:
+                tokens = seq.req.prompt_ids[: seq.prefilled]
+                chunks[seq.req.seq_id] = ScoreRequest(seq.req.seq_id, tokens, 1, argmax_only=True)
+            else:
+                chunks[seq.req.seq_id] = None
+        return chunks
 
     def plan(self, live: list[_Sequence]) -> list[DraftRequest]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
@@ -223,6 +271,9 @@ class SpecEngine:
         width = self.budget.shape.width if self.trees else 1
         frontier = self.budget.shape.frontier if self.trees else 1
         min_score = plan.min_score if plan is not None else 0.0
+        # A round in which the draft does not run and lookup candidates do not pay (or there are none) is plain
+        # decoding at plain's cost: nothing is proposed, no tree is shaped, the verifier takes its plain steps.
+        candidates = plan is None or plan.depth > 0 or self._lookup_pays(len(live))
         drafts = []
         for i, seq in enumerate(live):
             k = seq.k if plan is None else 0 if i in plan.hold else plan.depth
@@ -233,10 +284,15 @@ class SpecEngine:
                 # prompt in the row's next drafting round.
                 k = 0
             drafts.append(DraftRequest(seq.req.seq_id, seq.tokens, k, seq.req.params,
-                                       tree=self.trees and seq.req.speculate, width=width, min_score=min_score,
-                                       frontier=frontier, suffix_scope=seq.req.suffix_scope,
+                                       tree=self.trees and seq.req.speculate and candidates, width=width,
+                                       min_score=min_score, frontier=frontier, suffix_scope=seq.req.suffix_scope,
                                        thresholds=seq.req.draft_thresholds))
         return drafts
+
+    def _lookup_pays(self, batch: int) -> bool:
+        """Whether a round without the draft still gathers candidates (prompt lookup, earlier outputs)."""
+        has_source = self.budget.shape.lookup or self.suffix is not None
+        return has_source and self.budget.lookup_pays(batch)
 
     def _remaining(self, seq: _Sequence) -> int:
         """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
@@ -272,7 +328,7 @@ class SpecEngine:
     def shape_trees(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
         """Between propose and verify: keep each tree's most likely nodes, as many as the modelled cost pays for
         (the same count for every row), never deeper than the sequence can still use."""
-        if not self.trees:
+        if not self.trees or not any(p.tokens for p in proposals):
             return proposals
         trees = [_as_tree(p) for p in proposals]
         acc = self.budget.acceptance
@@ -415,12 +471,12 @@ class SpecEngine:
         return None
 
     def _round_facts(self, live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
-                     times: tuple[float, float, float]) -> dict[str, Any]:
+                     times: tuple[float, float, float], chunks: bool = False) -> dict[str, Any]:
         """What the budget learns a round by that commit changes (`RoundObservation` fields): the draft's seconds,
         whether a row filled its prompt (`prompt`; else `batch`, the rows, for a round that may be timed), the
         verification when it was a one-step decode round, and the most tree nodes a row verified."""
         t0, t1, t2 = times
-        decode = all(seq.generated for seq in live)
+        decode = all(seq.generated for seq in live) and not chunks  # a prompt chunk's forward is no decode cost
         one_step = decode and not any(r.steps > 1 for r in requests)
         verify = (t2 - t1, len(requests), max(r.num_logits for r in requests)) if one_step else None
         return dict(draft_seconds=t1 - t0, verify=verify, batch=len(live) if decode else None, prompt=not decode,

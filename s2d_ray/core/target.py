@@ -10,6 +10,7 @@ from torch import nn
 
 from .cache import causal_allowed
 from .kernels import STOCK, Kernels
+from .mixed import fold_plan, piece_allowed, pieces
 from .prefix_cache import PrefixCacheSpec
 from .decoder import decoder_parts
 from .lora import LoraBank
@@ -42,7 +43,8 @@ class TargetVerifier:
 
     def __init__(self, model: nn.Module, share_prefixes: bool = True, prefill_chunk: int = PREFILL_CHUNK,
                  cuda_graphs: bool = True, kernels: Kernels = STOCK,
-                 prefix_cache: PrefixCacheSpec | None = None, lora: LoraBank | None = None) -> None:
+                 prefix_cache: PrefixCacheSpec | None = None, lora: LoraBank | None = None,
+                 mix_prompts: bool = True) -> None:
         parts = decoder_parts(model)
         self.model = model
         self.stack = LayerStack(parts, [len(parts.layers)], kernels=kernels)
@@ -59,6 +61,7 @@ class TargetVerifier:
         self.vocab_size = model.config.vocab_size
         self.share_prefixes = share_prefixes
         self.prefill_chunk = prefill_chunk  # 0: every row's positions in one pass
+        self.mix_prompts = mix_prompts  # prompt chunks fold into the decode rows' forward (core/mixed.py)
 
     @torch.no_grad()
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
@@ -94,10 +97,7 @@ class TargetVerifier:
                 same = [h for h in holders if h.adapter == keys[i]] if self.lora is not None else holders
                 starts[i] = self.table.fork_counted(requests[i].seq_id,
                                                     len(requests[i].tokens) - requests[i].num_logits, same)
-            for sub_group in length_groups([ends[i] - starts[i] + 1 for i in batch]):  # prompts apart from decode rows
-                group = [batch[j] for j in sub_group]
-                hidden = self._forward_chunked([requests[i] for i in group], [states[i] for i in group],
-                                               [starts[i] for i in group], [ends[i] for i in group])
+            for group, hidden in self._forwards(batch, requests, states, starts, ends):
                 for h, i in zip(hidden, group):
                     picked[i] = h[len(h) - requests[i].num_logits :]
                     _computed(states[i], requests[i])
@@ -115,6 +115,43 @@ class TargetVerifier:
             return [self.lora.key(r.adapter) for r in requests]
         except KeyError as exc:
             raise ValueError(f"adapter {exc.args[0]!r} is not loaded on this target") from None
+
+    def _forwards(self, batch: list[int], requests: list[ScoreRequest], states: list, starts: list[int],
+                  ends: list[int]):
+        """Yield (request indices, hidden states per row) per forward of one batch: decode rows and the prompt chunks
+        that fold into their forward together (core/mixed.py), every other prompt apart (`length_groups`)."""
+        counts = [ends[i] - starts[i] + 1 for i in batch]
+        plan = None
+        if self.mix_prompts and self.prefill_chunk:  # prefill_chunk 0: every row's positions in one pass
+            plan = fold_plan(counts, [len(requests[i].parents or ()) for i in batch], self.prefill_chunk)
+        if plan is not None:
+            width, folded, rest = plan
+            apart = set(rest)
+            mixed = [j for j in range(len(batch)) if j not in apart]
+            group = [batch[j] for j in mixed]
+            yield group, self._forward_mixed([requests[i] for i in group], [states[i] for i in group],
+                                             [starts[i] for i in group], [ends[i] for i in group],
+                                             [mixed.index(j) for j in folded], width)
+            batch, counts = [batch[j] for j in rest], [counts[j] for j in rest]
+        for sub_group in length_groups(counts):  # prompts apart from decode rows
+            group = [batch[j] for j in sub_group]
+            yield group, self._forward_chunked([requests[i] for i in group], [states[i] for i in group],
+                                               [starts[i] for i in group], [ends[i] for i in group])
+
+    def _forward_mixed(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int],
+                       folded: list[int], width: int) -> list[torch.Tensor]:
+        """One forward over whole rows and the `folded` rows cut into pieces of `width` positions, each piece a grid
+        row over its sequence's cache row (core/mixed.py); hidden states [positions, h] per request."""
+        grid = pieces(starts, ends, folded, width)
+        # a tree's nodes sit in its row's last piece; the pieces before it are plain causal prompt positions
+        views = [requests[p.index] if p.end == ends[p.index] else replace(requests[p.index], parents=None)
+                 for p in grid]
+        hidden = self._forward(views, [states[p.index] for p in grid], [p.start for p in grid],
+                               [p.end for p in grid], mixed=True)
+        parts: list[list[torch.Tensor]] = [[] for _ in requests]
+        for j, p in enumerate(grid):
+            parts[p.index].append(hidden[j, : p.end - p.start + 1])
+        return [x[0] if len(x) == 1 else torch.cat(x) for x in parts]
 
     def _forward_chunked(self, requests: list[ScoreRequest], states: list, starts: list[int],
                          ends: list[int]) -> list[torch.Tensor]:
@@ -142,7 +179,8 @@ class TargetVerifier:
             parts[j].append(hidden[j, : ends[j] - starts[j] + 1])
         return [p[0] if len(p) == 1 else torch.cat(p) for p in parts]
 
-    def _forward(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int]) -> torch.Tensor:
+    def _forward(self, requests: list[ScoreRequest], states: list, starts: list[int], ends: list[int],
+                 mixed: bool = False) -> torch.Tensor:
         """One padded forward over these rows' positions start..end; hidden states [rows, width, h].
 
         The rows run sorted by cache row: a batch holding rows r..r+n-1 then attends over a view of the cache instead
@@ -150,19 +188,21 @@ class TargetVerifier:
         order = sorted(range(len(requests)), key=lambda i: states[i].row)
         if order != list(range(len(requests))):
             hidden = self._forward_sorted([requests[i] for i in order], [states[i] for i in order],
-                                          [starts[i] for i in order], [ends[i] for i in order])
+                                          [starts[i] for i in order], [ends[i] for i in order], mixed)
             return hidden[torch.tensor(order).argsort().to(hidden.device)]
-        return self._forward_sorted(requests, states, starts, ends)
+        return self._forward_sorted(requests, states, starts, ends, mixed)
 
     def _forward_sorted(self, requests: list[ScoreRequest], states: list, starts: list[int],
-                        ends: list[int]) -> torch.Tensor:
+                        ends: list[int], mixed: bool = False) -> torch.Tensor:
         device = self.stack.device
         positions, _ = pending_grid(starts, ends, device)
         ids = torch.zeros(positions.shape, dtype=torch.long, device=device)
         for i, req in enumerate(requests):
-            ids[i, : ends[i] - starts[i] + 1] = torch.tensor(req.tokens[starts[i] :], device=device)
+            ids[i, : ends[i] - starts[i] + 1] = torch.tensor(req.tokens[starts[i] : ends[i] + 1], device=device)
         rows = torch.tensor([st.row for st in states], device=device)
         rope, allowed = tree_layout(requests, starts, positions)
+        if mixed and allowed is None:  # pieces of one row share its cache row: each query sees up to its own slot
+            allowed = piece_allowed(positions, int(positions.max()) + 1)
         if self.lora is None:
             return self.stack.run_segment(0, self.stack.embed(ids), rows, positions, self.cache, rope, allowed)
         self.lora.bind([r.adapter for r in requests], device)

@@ -9,7 +9,7 @@ speculation parts from plain decoding at near-ties. Here:
 
 - projections and the LM head run on exactly CHUNK_ROWS rows per call (rows split into chunks, the last padded with
   zeros): every row goes through the same GEMM call shape, whose per-row result depends on neither the row's place
-  in the chunk nor the other rows;
+  in the chunk nor the other rows; on the CPU on a weight reordered once for that shape (oneDNN), not on every call;
 - attention runs each query row alone over exactly its own keys in decode order (`per_query_attention`): a tree
   node over its prefix and ancestors, as a decode step at that node would;
 - every pass runs on the same intra-op thread count (`FixedPasses`): oneDNN may split a GEMM's reduction by it;
@@ -32,7 +32,7 @@ from torch import nn
 from ..core.attention import causal
 from ..core.kernels import AttentionKernel, AttentionShape, PassRunner, PlainPasses
 from .attention import use_grouped
-from .linear import with_linears
+from .linear import _packed_linear, supported, with_linears
 from .threads import FixedPasses, intra_op_threads
 
 CHUNK_ROWS = 8  # rows per projection call: a decode step's one row pays for 8, a pass of 9..16 positions two calls
@@ -40,13 +40,35 @@ CHUNK_ROWS = 8  # rows per projection call: a decode step's one row pays for 8, 
 
 class RowChunkedLinear(nn.Module):
     """x @ weight.T + bias, always as GEMMs of CHUNK_ROWS rows: batch-invariant (each row's result is the same in
-    any pass). The weight and bias are the original tensors (shared, same state-dict keys)."""
+    any pass). The weight and bias are the original tensors (shared, same state-dict keys).
+
+    On the CPU, where oneDNN takes the dtype (`linear.supported`: fp32, and bf16 / fp16 with the instructions), the
+    chunks run on a copy of the weight reordered once for CHUNK_ROWS rows: the stock kernel reorders the weight on
+    every call, which made most of the mode's cost. The choice follows the dtype and the CPU only, never a timing, so
+    every run on one machine takes the same kernel and repeats its rounding."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self.reordered = weight.device.type == "cpu" and weight.dtype != torch.float64 and supported(weight.dtype)
+        self._copy: tuple[tuple, torch.Tensor] | None = None
+
+    def _reordered(self) -> torch.Tensor:
+        """The weight reordered for CHUNK_ROWS-row calls, remade when the weight changes (in-place updates)."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype)
+        if self._copy is None or self._copy[0] != key:
+            self._copy = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), CHUNK_ROWS))
+        return self._copy[1]
+
+    def _chunk_kernel(self, x: torch.Tensor):
+        """The one kernel every chunk of this pass runs (the reordered copy, unless autograd or another device)."""
+        if not self.reordered or x.device.type != "cpu" or torch.is_grad_enabled() and self.weight.requires_grad:
+            return lambda chunk: F.linear(chunk, self.weight, self.bias)
+        packed, bias = self._reordered(), None if self.bias is None else self.bias.detach()
+        return lambda chunk: _packed_linear(chunk, packed, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -55,7 +77,8 @@ class RowChunkedLinear(nn.Module):
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
         flat = flat.contiguous()  # every chunk the same layout as a decode step's
-        out = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in flat.split(CHUNK_ROWS)])
+        kernel = self._chunk_kernel(flat)
+        out = torch.cat([kernel(chunk) for chunk in flat.split(CHUNK_ROWS)])
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -369,6 +369,8 @@ class AppConfig(_Strict):
     linear_kernel: LinearKernel = Field("auto", description=LINEAR_KERNEL_HELP)
     kernel_times: str | None = Field(None, description=KERNEL_TIMES_HELP)
     deterministic: bool = Field(False, description=DETERMINISTIC_HELP)
+    prompt_round_tokens: int = Field(128, ge=0, description="Prompt positions a round carries beside running "
+                                     "streams (EngineConfig.prompt_round_tokens; 0: prompts fill whole).")
     prefix_cache: PrefixCacheConfig = Field(default_factory=PrefixCacheConfig, description="Prefix cache across "
                                             "requests in each target replica (and TP rank) and the draft.")
     suffix: SuffixConfig = Field(default_factory=SuffixConfig, description="Drafting from earlier outputs: one store "
@@ -407,6 +409,10 @@ class AppConfig(_Strict):
         sharded = [t.name for t in self.targets if t.tp_size > 1]
         if self.deterministic and sharded:  # sharded projections are DeepSpeed's, not the mode's row-chunked ones
             raise ValueError(f"deterministic: true does not cover tensor-parallel targets {sharded}; set tp_size: 1")
+        on_gpu = [t.name for t in self.targets if t.device == "cuda"]
+        if self.deterministic and on_gpu:  # norms and reductions are not batch-invariant on CUDA yet
+            raise ValueError(f"deterministic: true runs on the CPU only; targets {on_gpu} reserve GPUs (set "
+                             "deterministic: false, or num_gpus: 0)")
         return self
 
     def deployment_options(self, opts: dict[str, Any]) -> dict[str, Any]:
@@ -452,7 +458,7 @@ class AppConfig(_Strict):
             spec=self.spec, cache_dir=self.cache_dir, trust_remote_code=self.trust_remote_code,
             num_threads=self.num_threads, wide_threads=self.wide_threads, linear_kernel=self.linear_kernel,
             kernel_times=self.kernel_times, prefix_cache=self.prefix_cache, adaptive_threads=self.adaptive_threads,
-            suffix=self.suffix, deterministic=self.deterministic,
+            suffix=self.suffix, deterministic=self.deterministic, prompt_round_tokens=self.prompt_round_tokens,
         )
 
     def max_sequences(self, name: str) -> int:

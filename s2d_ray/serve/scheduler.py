@@ -60,7 +60,8 @@ class TargetScheduler:
 
     def timing(self) -> dict:
         """Round and per-call times (ms) for stats: where a served round spends what an in-process round does not."""
-        out = {"round": {**self.rounds.summary(), "whole": self.rounds_now}}
+        out = {"round": {**self.rounds.summary(), "whole": self.rounds_now},
+               "profile": self.engine.profile.summary()}  # ms per token by part: draft, verify, prompt, host
         for role, client in (("target", self.engine.verifier), ("draft", self._draft_client())):
             times = getattr(client, "times", None)
             if isinstance(times, CallTimes):

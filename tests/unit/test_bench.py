@@ -437,7 +437,8 @@ def test_compare_plain_sends_the_plain_run_the_same_requests_as_the_speculative_
 def test_load_client_stops_by_itself_on_a_hanging_server(sse_server, tmp_path):
     import asyncio
 
-    from s2d_ray.bench.serve import LoadRun, plot_load, run_load
+    from s2d_ray.bench.serve import LoadRun, run_load
+    from s2d_ray.bench.serve_report import plot_load
 
     run = LoadRun(sse_server, "m", [2], requests=100, max_seconds=0.5, max_tokens=4, timeout=0.5)
     t0 = time.perf_counter()

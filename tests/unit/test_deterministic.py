@@ -20,6 +20,7 @@ from s2d_ray.core.tree import TokenTree
 from s2d_ray.core.types import ScoreRequest
 from s2d_ray.kernels import CpuKernels, DeterministicKernels
 from s2d_ray.kernels.deterministic import CHUNK_ROWS, RowChunkedLinear
+from s2d_ray.kernels.linear import supported
 
 DET = DeterministicKernels()
 DTYPES = [torch.bfloat16, torch.float32]
@@ -136,6 +137,7 @@ def test_row_chunked_linear_is_row_invariant():
         w = torch.randn(40, 96, generator=gen).to(dtype)
         x = torch.randn(2 * CHUNK_ROWS + 3, 96, generator=gen).to(dtype)
         lin = RowChunkedLinear(w)
+        assert lin.reordered == (dtype != torch.float64 and supported(dtype))  # the reordered copy where oneDNN runs
         rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
         assert torch.equal(lin(x), rows)
         assert torch.equal(lin(x.view(1, -1, 96))[0], rows)
@@ -196,3 +198,25 @@ def test_the_flag_selects_the_deterministic_kernels_for_the_target_only():
     app["targets"][0]["tp_size"] = 2  # not covered: refused, never silently non-deterministic
     with pytest.raises(ValueError, match="tensor-parallel"):
         AppConfig.model_validate(app)
+
+
+def test_the_mode_is_refused_off_the_cpu():
+    """On CUDA norms and reductions are not batch-invariant yet: the mode refuses to build there, naming the field."""
+    from s2d_ray.build import build_verifier, check_deterministic_device
+    from s2d_ray.config import EngineConfig
+    from s2d_ray.errors import ConfigError
+
+    cfg = EngineConfig(deterministic=True)
+    with pytest.raises(ConfigError, match="deterministic: true runs on the CPU only"):
+        check_deterministic_device(cfg, "cuda")
+    check_deterministic_device(cfg, "cpu")
+    check_deterministic_device(EngineConfig(), "cuda")  # the control: the default kernels are not refused
+    with pytest.raises(ConfigError, match="deterministic"):  # a model that is not on the CPU
+        build_verifier(make_tiny_llama().to("meta"), cfg)
+    from s2d_ray.serve.app_config import AppConfig
+
+    app = {"targets": [{"name": "t", "source": "smollm2-135m-instruct", "num_gpus": 1}], "deterministic": True}
+    with pytest.raises(ValueError, match="CPU only"):  # the served app refuses it when the config is read
+        AppConfig.model_validate(app)
+    app["deterministic"] = False
+    AppConfig.model_validate(app)  # the control
