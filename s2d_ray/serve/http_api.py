@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 from typing import TypeVar
 
 from fastapi import Request
@@ -23,9 +24,10 @@ class ApiError(Exception):
     """An HTTP error with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds, rounded up)
 
 
 def api_error(exc: Exception) -> ApiError:
@@ -41,12 +43,14 @@ def api_error(exc: Exception) -> ApiError:
     if isinstance(exc, CapacityError):
         return ApiError(429, str(exc), "rate_limit_exceeded", type_="rate_limit_error")
     if isinstance(exc, ServiceUnavailableError):
-        return ApiError(503, str(exc), "service_unavailable", type_="server_error")
+        return ApiError(503, str(exc), "service_unavailable", type_="server_error", retry_after_s=exc.retry_after_s)
     return ApiError(500, "internal error", "internal_error", type_="server_error")
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status)
+    headers = None if err.retry_after_s is None else {"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
+    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status,
+                        headers=headers)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
