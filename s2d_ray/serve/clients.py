@@ -217,41 +217,47 @@ class TargetClient(DeploymentClient):
     async def _score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
         seen = self._seen(requests)
         start = time.perf_counter()
-        deadline = time.monotonic() + self.failover_s
         placed = live_replicas(self.handle) != ()  # () : Serve knows no replica of the target (yet, or any more)
 
         def call(idx: list[int], key: str | None):
             return self._resent(lambda: self.handle.score.remote([requests[i] for i in idx], [seen[i] for i in idx],
-                                                                 affinity=key), deadline, placed)
+                                                                 affinity=key), placed)
 
-        try:
-            parts = await self._split(requests, self.timeout_s, call)
+        try:  # each call is bounded in _resent (its first send, then its failover); this is only a backstop
+            parts = await self._split(requests, self.timeout_s + self.failover_s + FAILOVER_BACKOFF_S[-1], call)
         except asyncio.TimeoutError:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
-        except TargetGoneError:
+        except (TargetGoneError, TargetTimeoutError):
             raise
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
         return self._answered(requests, parts, start)
 
-    async def _resent(self, send: Callable[[], Awaitable], deadline: float, placed: bool) -> Any:
-        """One replica's share of a round, sent again while its replica is lost (`replica_lost`) until `deadline`:
+    async def _resent(self, send: Callable[[], Awaitable], placed: bool) -> Any:
+        """One replica's share of a round, sent again while its replica is lost (`replica_lost`), for `failover_s`:
         the call carries its sequences' tokens, so the replica that takes it (a survivor, or the replacement Serve
         starts on another node) rebuilds their KV from the prompt and the committed tokens and the round goes on
-        exactly. Only this share is resent: the other replicas' shares of the round have answered. A resend, or a
-        first send while no replica is `placed`, waits for a replica only until `deadline` (Serve holds calls while
-        a deployment has none), so a target that cannot be placed again is a 503 with Retry-After, not a hang."""
+        exactly. Only this share is resent: the other replicas' shares of the round have answered. The first send
+        is bounded by `timeout_s` (a slow replica is not resent to: the resend would wait as long again); a resend,
+        or a first send while no replica is `placed`, waits for a replica only until `failover_s` after the loss
+        (Serve holds calls while a deployment has none), so a target that cannot be placed again is a 503 with
+        Retry-After, not a hang."""
         attempt = 0
+        deadline = time.monotonic() + self.failover_s  # moved to the loss, when one happens
         while True:
+            first = attempt == 0 and (placed or not self.failover_s)
             try:
-                if attempt == 0 and (placed or not self.failover_s):
-                    return await send()
-                return await bounded(send(), max(deadline - time.monotonic(), 0.0))
+                return await bounded(send(), self.timeout_s if first else max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
+                if first:
+                    raise TargetTimeoutError(
+                        f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
                 raise self._gone("no replica took the call") from None
             except Exception as exc:
                 if not replica_lost(exc):
                     raise
+                if attempt == 0:
+                    deadline = time.monotonic() + self.failover_s
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._gone(f"a replica was lost ({type(exc).__name__})") from exc

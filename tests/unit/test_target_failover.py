@@ -139,3 +139,33 @@ def test_only_a_lost_replica_is_resent_not_a_bad_request():
     assert not replica_lost(TPRequestError("every rank refused"))  # the request's own fault: resending repeats it
     assert not replica_lost(RuntimeError("bad input"))
     assert not replica_lost(asyncio.TimeoutError())
+
+
+def test_a_slow_replica_times_out_without_a_resend(target, prompts_and_expected):
+    """A replica that is alive but slower than timeout_s: a TargetTimeoutError after one call, not a failover."""
+    from s2d_ray.serve.clients import TargetTimeoutError
+
+    calls = []
+
+    class Slow:
+        deployment_id = None
+
+        def __getattr__(self, name: str):
+            async def call(*args, **kwargs):
+                calls.append(name)
+                await asyncio.sleep(5.0)
+
+            return SimpleNamespace(remote=call)
+
+    prompts, _ = prompts_and_expected
+    client = TargetClient(Slow(), "t", timeout_s=0.2, failover_s=30.0)
+    sched = TargetScheduler("t", SpecEngine(client, None, policy=FixedK(3)), 4, 4, ServeMetrics())
+
+    async def main():
+        try:
+            return await collect(sched.submit(GenerationRequest("s0", prompts[0], NEW_TOKENS)))
+        finally:
+            sched.task.cancel()
+
+    _, ev = asyncio.run(main())
+    assert isinstance(ev.error, TargetTimeoutError) and calls.count("score") == 1
