@@ -76,12 +76,20 @@ case $cmd in
     echo "local cluster: killed the raylet of $node (pid $raylet)"
     ;;
   down)
+    pids=""
     for f in "$dir"/*.pid; do
       [ -e "$f" ] || continue
+      pids="$pids $(cat "$f")"
       kill -TERM "$(cat "$f")" 2> /dev/null || true
       rm -f "$f"
     done
-    echo "local cluster: stopped"
+    for _ in $(seq 1 120); do  # each node stops its replicas gracefully first: up to a minute or so
+      alive=0
+      for p in $pids; do kill -0 "$p" 2> /dev/null && alive=1; done
+      [ $alive = 0 ] && { echo "local cluster: stopped"; exit 0; }
+      sleep 1
+    done
+    echo "local cluster: still stopping after 120 s (pids$pids)" >&2; exit 1
     ;;
   *)
     echo "usage: scripts/local_cluster.sh up [SMALL] [LARGE] | status | kill NODE | down" >&2; exit 2
