@@ -33,4 +33,9 @@ class RequestTimeoutError(RequestError):
 
 
 class ServiceUnavailableError(S2DError):
-    """A target deployment (or its TP group) failed or timed out: HTTP 503, retry later."""
+    """A target deployment (or its TP group) failed or timed out: HTTP 503, retry later (`retry_after_s`, when
+    known, becomes the response's Retry-After)."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -115,6 +115,13 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
     max_concurrent_sequences: int | None = Field(
         None, ge=1, description="Sequences decoded together for this target; default: limits.max_concurrent_sequences."
     )
+    failover_s: float = Field(
+        60.0, ge=0, description="When the replica holding a round's call is lost (its process or node died, its TP "
+        "group broke), the router resends the call to whichever replica answers (a survivor, or the replacement Serve "
+        "starts elsewhere), which rebuilds the sequences' KV from their tokens: streams go on exactly. After this "
+        "long without an answer, or when no replica takes a new request's call in this long, the requests fail with "
+        "503 and Retry-After. Allow for Serve to start a replica on another node (a TP group: its init). 0: no resend."
+    )
     chat_template: str | None = Field(
         None, description="Chat template for this target's /v1/chat/completions: a Jinja template, or the path of a "
         "file holding one; default: the tokenizer's own (a model that ships none answers chat requests with a 400)."

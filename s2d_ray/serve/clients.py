@@ -32,6 +32,27 @@ class TargetTimeoutError(ServiceUnavailableError):
     """The target did not answer in time; its rounds are not retried (each retry would wait as long again)."""
 
 
+class TargetGoneError(ServiceUnavailableError):
+    """No replica of the target answered within its `failover_s` after the one holding a call was lost; like a
+    timeout, the round is not retried (each retry would wait as long again)."""
+
+
+FAILOVER_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # between resends of a lost call: Serve needs a moment to drop the replica
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether a failed call lost the replica that held it (its process or node died, Serve has no replica for it,
+    or its tensor-parallel group broke and is being replaced), not failed on its input: the call may be sent again,
+    to whichever replica answers, since it carries every token of its sequences."""
+    from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    from .tp import TPGroupError
+
+    return isinstance(exc, (RayActorError, NodeDiedError, WorkerCrashedError, DeploymentUnavailableError,
+                            ReplicaUnavailableError, TPGroupError))
+
+
 async def bounded(awaitable: Awaitable, timeout_s: float) -> Any:
     """`awaitable` (a coroutine or a Ray response) awaited for at most `timeout_s`."""
     async def wait() -> Any:
@@ -186,12 +207,15 @@ class TargetClient(DeploymentClient):
     role = "target"
 
     def __init__(self, handle: Any, name: str, timeout_s: float, affinity: Affinity | None = None,
-                 times: CallTimes | None = None) -> None:
+                 times: CallTimes | None = None, failover_s: float = 0.0,
+                 on_failover: Callable[[], None] | None = None) -> None:
         local = handle.local if isinstance(handle, InProcessHandle) else None
         # Plain calls need the whole model in this process (placement: router, tp_size 1).
         super().__init__(handle, affinity or Affinity(None, f"target-{name}"), times,
                          local if getattr(local, "inline", False) else None)
         self.name, self.timeout_s = name, timeout_s
+        self.failover_s = failover_s
+        self.on_failover = on_failover or (lambda: None)
 
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor] | Awaitable[list[torch.Tensor]]:
         return self._score_now(requests) if self.now else self._score(requests)
@@ -199,17 +223,59 @@ class TargetClient(DeploymentClient):
     async def _score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
         seen = self._seen(requests)
         start = time.perf_counter()
+        placed = live_replicas(self.handle) != ()  # () : Serve knows no replica of the target (yet, or any more)
 
         def call(idx: list[int], key: str | None):
-            return self.handle.score.remote([requests[i] for i in idx], [seen[i] for i in idx], affinity=key)
+            return self._resent(lambda: self.handle.score.remote([requests[i] for i in idx], [seen[i] for i in idx],
+                                                                 affinity=key), placed)
 
-        try:
-            parts = await self._split(requests, self.timeout_s, call)
+        try:  # each call is bounded in _resent (its first send, then its failover); this is only a backstop
+            parts = await self._split(requests, self.timeout_s + self.failover_s + FAILOVER_BACKOFF_S[-1], call)
         except asyncio.TimeoutError:
             raise TargetTimeoutError(f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
+        except (TargetGoneError, TargetTimeoutError):
+            raise
         except Exception as exc:
             raise ServiceUnavailableError(f"target {self.name} failed: {type(exc).__name__}") from exc
         return self._answered(requests, parts, start)
+
+    async def _resent(self, send: Callable[[], Awaitable], placed: bool) -> Any:
+        """One replica's share of a round, sent again while its replica is lost (`replica_lost`), for `failover_s`:
+        the call carries its sequences' tokens, so the replica that takes it (a survivor, or the replacement Serve
+        starts on another node) rebuilds their KV from the prompt and the committed tokens and the round goes on
+        exactly. Only this share is resent: the other replicas' shares of the round have answered. The first send
+        is bounded by `timeout_s` (a slow replica is not resent to: the resend would wait as long again); a resend,
+        or a first send while no replica is `placed`, waits for a replica only until `failover_s` after the loss
+        (Serve holds calls while a deployment has none), so a target that cannot be placed again is a 503 with
+        Retry-After, not a hang."""
+        attempt = 0
+        deadline = time.monotonic() + self.failover_s  # moved to the loss, when one happens
+        while True:
+            first = attempt == 0 and (placed or not self.failover_s)
+            try:
+                return await bounded(send(), self.timeout_s if first else max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                if first:
+                    raise TargetTimeoutError(
+                        f"target {self.name} did not answer within {self.timeout_s:.0f} s") from None
+                raise self._gone("no replica took the call") from None
+            except Exception as exc:
+                if not replica_lost(exc):
+                    raise
+                if attempt == 0:
+                    deadline = time.monotonic() + self.failover_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._gone(f"a replica was lost ({type(exc).__name__})") from exc
+                logger.warning("target %s: replica lost (%s); resending the call (attempt %d)", self.name,
+                               type(exc).__name__, attempt + 1)
+                self.on_failover()
+                await asyncio.sleep(min(FAILOVER_BACKOFF_S[min(attempt, len(FAILOVER_BACKOFF_S) - 1)], left))
+                attempt += 1
+
+    def _gone(self, why: str) -> TargetGoneError:
+        return TargetGoneError(f"target {self.name} unavailable: {why} and none answered within {self.failover_s:.0f} "
+                               "s", retry_after_s=max(self.failover_s, 1.0))
 
     def _score_now(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
         seen = self._seen(requests)

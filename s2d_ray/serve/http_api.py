@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 from typing import TypeVar
 
@@ -24,9 +25,10 @@ class ApiError(Exception):
     """An HTTP error with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+        self.retry_after_s = retry_after_s  # sent as Retry-After (whole seconds, rounded up)
 
 
 def api_error(exc: Exception) -> ApiError:
@@ -42,20 +44,24 @@ def api_error(exc: Exception) -> ApiError:
     if isinstance(exc, CapacityError):
         return ApiError(429, str(exc), "rate_limit_exceeded", type_="rate_limit_error")
     if isinstance(exc, ServiceUnavailableError):
-        return server_error(exc, 503, "service unavailable", "service_unavailable")
+        return server_error(exc, 503, "service unavailable", "service_unavailable", exc.retry_after_s)
     return server_error(exc, 500, "internal error", "internal_error")
 
 
-def server_error(exc: Exception, status: int, what: str, code: str) -> ApiError:
+def server_error(exc: Exception, status: int, what: str, code: str,
+                 retry_after_s: float | None = None) -> ApiError:
     """A 5xx whose body carries an error id and nothing of the exception (its text can name hosts, processes and
-    another request's state); the router's log has the exception under the same id."""
+    another request's state); the router's log has the exception under the same id. `retry_after_s`: a 503's
+    Retry-After."""
     error_id = uuid.uuid4().hex[:16]
     logger.error("%s (error id %s)", what, error_id, exc_info=exc)
-    return ApiError(status, f"{what} (error id {error_id})", code, type_="server_error")
+    return ApiError(status, f"{what} (error id {error_id})", code, type_="server_error", retry_after_s=retry_after_s)
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status)
+    headers = None if err.retry_after_s is None else {"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
+    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status,
+                        headers=headers)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:

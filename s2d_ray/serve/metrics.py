@@ -52,6 +52,9 @@ class ServeMetrics:
                                         ["model", "position"], registry=r)
         self.draft_fallbacks = Counter("s2d:spec_decode_draft_fallback_rounds",
                                        "Rounds decoded target-only because the draft deployment failed.", m, registry=r)
+        self.target_failovers = Counter(
+            "s2d_target_failovers", "Calls to a target resent because the replica holding them was lost (process, "
+            "node or TP group).", m, registry=r)
         self.recomputed_tokens = Counter(
             "s2d_recomputed_tokens", "Tokens whose KV a replica recomputed because its cache did not hold the prefix "
             "(the sequence moved there, or its row was reclaimed); this router's calls.", ["deployment", "replica"],

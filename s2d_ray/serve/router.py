@@ -164,7 +164,9 @@ class Router:
         affinity = Affinity(self.affinity, f"target-{name}", self.metrics.recomputed_tokens, self._routing)
         self.affinities.append(affinity)
         times = CallTimes(observe=self.metrics.call_overhead.labels(name, "target").observe)
-        return TargetClient(self.target_handles[name], name, self.cfg.limits.score_timeout_s, affinity, times)
+        return TargetClient(self.target_handles[name], name, self.cfg.limits.score_timeout_s, affinity, times,
+                            failover_s=self.cfg.target(name).failover_s,
+                            on_failover=self.metrics.target_failovers.labels(name).inc)
 
     def _draft_client(self, name: str) -> DraftClient:
         """One target's client of the shared draft: its fallback rounds counted, its calls' overhead observed."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..core.engine import GenerationRequest, SpecEngine
 from ..errors import CapacityError, RequestError, S2DError, ServiceUnavailableError
-from .clients import DeploymentClient, DraftClient, TargetClient, TargetTimeoutError
+from .clients import DeploymentClient, DraftClient, TargetClient, TargetGoneError, TargetTimeoutError
 from .events import Event
 from .metrics import ServeMetrics
 from .replica import ModelThread
@@ -121,7 +121,7 @@ class TargetScheduler:
             else:
                 outputs = await self.engine.step_async()
         except Exception as exc:
-            if not isinstance(exc, ServiceUnavailableError) or isinstance(exc, TargetTimeoutError):
+            if not isinstance(exc, ServiceUnavailableError) or isinstance(exc, (TargetTimeoutError, TargetGoneError)):
                 self._fail(self.engine.live_ids(), exc)  # not a failed call: state may be half-committed
                 return
             # The verification call failed before anything was committed: one request's input, or a replica that

@@ -200,7 +200,8 @@ def faults_app(serve_instance, tiny_family):
         "targets": [
             {"name": "tiny-a", "source": str(tiny_family["a"]), "dtype": "float64", "num_cpus": 0.25},
             {"name": "tiny-tp", "source": str(tiny_family["a"]), "dtype": "float32", "tp_size": 2, "num_cpus": 0.1,
-             "tp_worker_cpus": 0.25, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0},
+             "tp_worker_cpus": 0.25, "health_check_period_s": 1.0, "health_check_timeout_s": 5.0,
+             "failover_s": 150.0},  # a broken group's rounds wait for the replacement group (its init included)
         ],
         "draft": {"source": str(tiny_family["draft"]), "dtype": "float64", "num_cpus": 0.25, "retry_after_s": 0.5,
                   "call_timeout_s": 2.0, "max_batch_size": 2, "batch_wait_timeout_s": 0.05,
