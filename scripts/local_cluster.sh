@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A multi-node Ray cluster on this machine (docs/SERVING.md, "A cluster"): a head and worker nodes, each its own
+# A multi-node Ray cluster on this machine (docs/CLUSTER.md, "A cluster"): a head and worker nodes, each its own
 # raylet started by `ray start`, all bound to a loopback address, with cluster.yaml's custom resources: `small` nodes carry
 # s2d_small_gpu (the draft, the small targets), `large` nodes s2d_large_gpu (the large targets, TP groups).
 #

@@ -69,7 +69,7 @@ def running(local_cluster, deployment: str) -> list[str] | None:
 
 def recomputed(url: str, deployment: str) -> float:
     """Tokens a deployment's replicas recomputed for the router's calls (s2d_recomputed_tokens_total, all replicas)."""
-    text = httpx.get(f"{url}/metrics", timeout=HTTP_TIMEOUT).text
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=HTTP_TIMEOUT).text
     prefix = f's2d_recomputed_tokens_total{{deployment="{deployment}",'
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
@@ -146,12 +146,12 @@ def test_placement_follows_the_configs_resources_and_outputs_are_exact(local_clu
     assert placed["router"] == ["head"]
     assert placed["draft"] in (["small-0"], ["small-1"]), placed  # either node of the draft's type
     assert placed[f"target-{MODEL}"] in (["large-0"], ["large-1"]), placed
-    drafted = metric(app, f's2d:spec_decode_num_accepted_tokens_total{{model="{MODEL}"}}')
+    drafted = metric(app, f'vllm:spec_decode_num_accepted_tokens_total{{model="{MODEL}"}}')
     for prompt in PROMPTS:
         choice = completion(app, prompt, 48)["choices"][0]
         assert choice["token_ids"] == reference.greedy(reference.ids(prompt), 48)
     # The draft on its own node did the drafting: its tokens were accepted.
-    assert metric(app, f's2d:spec_decode_num_accepted_tokens_total{{model="{MODEL}"}}') > drafted
+    assert metric(app, f'vllm:spec_decode_num_accepted_tokens_total{{model="{MODEL}"}}') > drafted
 
 
 @pytest.mark.tp
