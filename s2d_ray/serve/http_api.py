@@ -45,8 +45,13 @@ def api_error(exc: Exception) -> ApiError:
     return ApiError(500, "internal error", "internal_error", type_="server_error")
 
 
+RETRY_AFTER_S = 1  # a 429's Retry-After: a round or two frees a place at the tiny-to-small sizes served here
+
+
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
+    return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status,
+                        headers=headers)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> ApiError:

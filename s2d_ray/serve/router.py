@@ -28,6 +28,7 @@ from ..build import assemble_engine, draft_base_source, load_profile, set_thread
 from ..errors import ModelNotFoundError, RequestTimeoutError, S2DError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
+from .admission import Preparer
 from .affinity import Affinity, each_replica
 from .app_config import AppConfig
 from .choices import first_items, gather_all, merge
@@ -45,6 +46,7 @@ from .openai_protocol import (
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id
+from .request_limits import check_request_limits
 from .round_timing import CallTimes
 from .scheduler import TargetScheduler
 
@@ -122,6 +124,7 @@ class Router:
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
+        self.preparer = Preparer()  # tokenizing and grammar compiles, off the event loop
         logger.info("router: targets %s (sequences admitted at once %s), draft %s, auth %s", sorted(self.models),
                     {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
@@ -277,6 +280,7 @@ class Router:
         try:
             authorize(request, self._api_key)
             oreq = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), kind)
+            check_request_limits(oreq, self.cfg.limits)  # before the fan-out copies it per choice
             try:
                 greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
@@ -342,14 +346,17 @@ class Router:
     async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
         info = self._info(req.model)
-        gen = to_generation(info, req, self.cfg.limits)
-        if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
-            gen = replace(gen, suffix_scope=req.suffix_scope)
+        check_request_limits(req, self.cfg.limits)
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
-        text = TextAssembler(info, gen.stop_strings)
+        with sched.reserve():  # a full target answers 429 before any tokenizing or compiling
+            gen = await self.preparer.run(to_generation, info, req, self.cfg.limits)
+            if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
+                gen = replace(gen, suffix_scope=req.suffix_scope)
+            text = TextAssembler(info, gen.stop_strings)
+            # Nothing awaits between the submit and _events' try: a closed stream always aborts its sequence.
+            events = self._events(sched, gen, sched.submit(gen))
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
-        events = self._events(sched, gen)
         if self.cfg.router.stream_interval > 1:
             events = coalesced(events, self.cfg.router.stream_interval)
         async with contextlib.aclosing(events) as events:
@@ -373,9 +380,9 @@ class Router:
                 yield GenerateChunk(text=delta + text.finish(), token_ids=tokens, finish_reason=ev.finish_reason,
                                     usage=usage, metrics=ev.metrics, logprobs=logprobs, **prompt)
 
-    async def _events(self, sched: TargetScheduler, gen) -> AsyncIterator[Event]:
-        """The request's events until it finishes; on timeout, error or a vanished client the sequence is aborted."""
-        queue = sched.submit(gen)
+    async def _events(self, sched: TargetScheduler, gen, queue: asyncio.Queue) -> AsyncIterator[Event]:
+        """The submitted request's events until it finishes; on timeout, error or a vanished client the sequence is
+        aborted."""
         deadline = time.monotonic() + self.cfg.limits.request_timeout_s
         finished, reason = False, "cancelled"  # client gone (CancelledError / generator closed) unless set below
         try:
