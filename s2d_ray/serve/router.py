@@ -367,17 +367,18 @@ class Router:
                 prompt = {}
                 if ev.prompt_logprobs is not None:
                     prompt = {"prompt_token_ids": gen.prompt_ids, "prompt_logprobs": ev.prompt_logprobs}
-                delta = text.push(tokens)
                 if not ev.finished:
+                    delta = text.push(tokens)
                     if tokens or prompt:
                         yield GenerateChunk(text=delta, token_ids=tokens, logprobs=logprobs, **prompt)
                     continue
+                delta = text.finish(tokens)
                 n_out = len(text.ids)
                 usage = Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n_out,
                               total_tokens=len(gen.prompt_ids) + n_out)
                 self.metrics.record_finished(req.model, len(gen.prompt_ids), ev.finish_reason or "abort", ev.metrics,
                                              time.perf_counter() - arrival, first_token)
-                yield GenerateChunk(text=delta + text.finish(), token_ids=tokens, finish_reason=ev.finish_reason,
+                yield GenerateChunk(text=delta, token_ids=tokens, finish_reason=ev.finish_reason,
                                     usage=usage, metrics=ev.metrics, logprobs=logprobs, **prompt)
 
     async def _events(self, sched: TargetScheduler, gen, queue: asyncio.Queue) -> AsyncIterator[Event]:
