@@ -1,26 +1,57 @@
-"""Request preparation off the router's event loop.
+"""Request preparation off the router's event loop, at a bounded share of a core.
 
 Chat templates, tokenization and grammar compiles take milliseconds to seconds of CPU per request; on the event loop
 they would stall every stream the router replica serves (each round's events, each SSE write). They run on one
-worker thread instead: the loop keeps delivering rounds while a request is prepared. One worker, not several:
-a Hugging Face fast tokenizer is not safe to call from two threads at once ("Already borrowed"), and on the small
-hosts this targets a second worker would only compete with the loop for the same cores.
+worker thread instead. One worker, not several: a Hugging Face fast tokenizer is not safe to call from two threads
+at once ("Already borrowed"), and on the small hosts this targets a second worker would only compete with the loop
+for the same cores.
+
+A thread alone does not isolate the streams: much of the work holds the GIL (pure Python such as JSON-schema checks
+and templates, and native calls such as a grammar compile), and each time the loop wakes it must take the GIL back.
+Two measures bound what one client's heavy requests cost the others:
+- a short switch interval (PREPARE_SWITCH_INTERVAL_S) in the router process, so the loop gets the GIL back within a
+  fraction of a millisecond rather than CPython's default 5 ms;
+- a duty cycle (`limits.prepare_share`): after a preparation that took t seconds (past `HEAVY_S`) the worker rests
+  t x (1 / share - 1) before the next one. A client sending requests at every bound slows its own admissions (and
+  those queued behind them), not the rounds of the streams in flight; light requests never make it rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 
+PREPARE_SWITCH_INTERVAL_S = 0.0005
+HEAVY_S = 0.005  # a preparation shorter than this (a plain prompt) is not followed by a rest
+
 
 class Preparer:
-    """Runs preparation functions on one dedicated thread, awaited from the event loop."""
+    """Runs preparation functions on one dedicated thread, awaited from the event loop, using at most `share` of a
+    core over time."""
 
-    def __init__(self) -> None:
+    def __init__(self, share: float = 1.0) -> None:
+        sys.setswitchinterval(min(sys.getswitchinterval(), PREPARE_SWITCH_INTERVAL_S))  # this process's, see above
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2d-prepare")
+        self.share = share
+        self._ready_at = 0.0  # monotonic time before which the worker rests (only the worker reads and writes it)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._paced, fn, args)
+
+    def _paced(self, fn: Callable[..., T], args: tuple) -> T:
+        """On the worker: rest if the previous preparation asked for it, then run fn (errors included in the cost)."""
+        wait = self._ready_at - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            spent = time.monotonic() - start
+            rest = spent * (1.0 / self.share - 1.0) if spent > HEAVY_S else 0.0
+            self._ready_at = time.monotonic() + rest

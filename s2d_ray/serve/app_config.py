@@ -290,6 +290,10 @@ class Limits(_Strict):
     max_schema_bytes: int = Field(
         65536, ge=64, description="Largest JSON size of the schema a grammar is compiled from: all tools together, "
         "response_format's json_schema, or structured_outputs.")
+    prepare_share: float = Field(
+        0.25, gt=0.0, le=1.0, description="Most of one core a router replica spends preparing requests (templates, "
+        "tokenization, grammar compiles) over time: after a heavy preparation it rests in proportion, so one "
+        "client's heavy requests slow its own admissions, not the streams in flight (serve/admission.py).")
 
 
 SERVE_TARGET_ONGOING = 2  # Serve's default target_ongoing_requests

@@ -124,7 +124,7 @@ class Router:
             for info in self.models.values():
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
-        self.preparer = Preparer()  # tokenizing and grammar compiles, off the event loop
+        self.preparer = Preparer(cfg.limits.prepare_share)  # tokenizing and grammar compiles, off the event loop
         logger.info("router: targets %s (sequences admitted at once %s), draft %s, auth %s", sorted(self.models),
                     {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, "on" if self._api_key else "off")
