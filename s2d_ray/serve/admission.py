@@ -55,3 +55,32 @@ class Preparer:
             spent = time.monotonic() - start
             rest = spent * (1.0 / self.share - 1.0) if spent > HEAVY_S else 0.0
             self._ready_at = time.monotonic() + rest
+
+
+class PreparedGroup:
+    """The choices of one request, prepared in one call on the worker (`get(i)`: choice i's result).
+
+    All choices then reach the scheduler in the same turn of the loop and share their first round, as they did when
+    they were prepared inline; prepared one by one, the first could start a round alone and the choices' float
+    results (logprobs) would depend on that timing. The work starts once every choice has reserved its place and
+    asked (`get`): a request refused for capacity prepares nothing (its other choices are cancelled waiting).
+    """
+
+    def __init__(self, preparer: Preparer, fn: Callable[..., T], calls: list[tuple]) -> None:
+        self._preparer, self._fn, self._calls = preparer, fn, calls
+        self._arrived = 0
+        self._started = asyncio.Event()
+        self._task: asyncio.Future | None = None
+
+    async def get(self, index: int) -> T:
+        """Choice `index`'s result; every choice must call this (the work starts when the last one does)."""
+        self._arrived += 1
+        if self._arrived == len(self._calls):
+            self._task = asyncio.ensure_future(self._preparer.run(self._all))
+            self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if nobody waits
+            self._started.set()
+        await self._started.wait()
+        return (await asyncio.shield(self._task))[index]
+
+    def _all(self) -> list:
+        return [self._fn(*args) for args in self._calls]

@@ -28,7 +28,7 @@ from ..build import assemble_engine, draft_base_source, load_profile, set_thread
 from ..errors import ModelNotFoundError, RequestTimeoutError, S2DError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
-from .admission import Preparer
+from .admission import PreparedGroup, Preparer
 from .affinity import Affinity, each_replica
 from .app_config import AppConfig
 from .choices import first_items, gather_all, merge
@@ -177,8 +177,11 @@ class Router:
     # --- the Python handle API ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """`await handle.generate.remote(GenerateRequest(...))`: the whole completion."""
-        req = GenerateRequest.model_validate(request)
-        async with contextlib.aclosing(self._run(req)) as stream:
+        return await self._generate(GenerateRequest.model_validate(request))
+
+    async def _generate(self, req: GenerateRequest, group: PreparedGroup | None = None,
+                        index: int = 0) -> GenerateResponse:
+        async with contextlib.aclosing(self._run(req, group, index)) as stream:
             chunks = [c async for c in stream]
         ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
@@ -292,12 +295,13 @@ class Router:
             model = info.name
             ids = ResponseIds(chat)
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
+            group = PreparedGroup(self.preparer, to_generation, [(info, g, self.cfg.limits) for g in greqs])
             if oreq.stream:
-                streams = [self._run(g) for g in greqs]
+                streams = [self._run(g, group, i) for i, g in enumerate(greqs)]
                 firsts = await first_items(streams)  # admission errors (404, 400, 429) still get an HTTP status
                 return StreamingResponse(self._sse(ids, model, views, firsts, streams, oreq.n),
                                          media_type="text/event-stream")
-            resps = await gather_all([self.generate(g) for g in greqs])
+            resps = await gather_all([self._generate(g, group, i) for i, g in enumerate(greqs)])
             return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
             err = api_error(exc)
@@ -343,14 +347,19 @@ class Router:
         yield "data: [DONE]\n\n"
 
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
-    async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
+    async def _run(self, req: GenerateRequest, group: PreparedGroup | None = None,
+                   index: int = 0) -> AsyncIterator[GenerateChunk]:
+        """Admit (limits checked; prepared alone, or as choice `index` of `group`), then one chunk per round; the last
+        carries usage and the engine's metrics."""
         info = self._info(req.model)
         check_request_limits(req, self.cfg.limits)
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
         with sched.reserve():  # a full target answers 429 before any tokenizing or compiling
-            gen = await self.preparer.run(to_generation, info, req, self.cfg.limits)
+            if group is None:
+                gen = await self.preparer.run(to_generation, info, req, self.cfg.limits)
+            else:
+                gen = await group.get(index)
             if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store
                 gen = replace(gen, suffix_scope=req.suffix_scope)
             text = TextAssembler(info, gen.stop_strings)

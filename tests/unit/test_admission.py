@@ -72,3 +72,52 @@ def test_errors_pass_through_and_still_count():
         return await preparer.run(time.monotonic) - done
 
     assert asyncio.run(main()) >= 0.04
+
+
+def test_a_group_is_prepared_in_one_call_after_every_choice_started():
+    """The choices' results arrive in one turn of the loop; a choice that fails before its first await (a 429)
+    cancels the group's work before it starts."""
+    import threading
+
+    from s2d_ray.serve.admission import PreparedGroup
+
+    calls: list[tuple[int, str]] = []
+
+    def prep(i: int) -> int:
+        calls.append((i, threading.current_thread().name))
+        return i * 10
+
+    async def main(fail_at: int | None):
+        group = PreparedGroup(Preparer(), prep, [(i,) for i in range(3)])
+        arrived: list[tuple[int, int]] = []
+        turn = 0
+
+        async def choice(i: int) -> None:
+            if i == fail_at:
+                raise RuntimeError("at capacity")
+            arrived.append((i, await group.get(i), turn))
+
+        async def clock():
+            nonlocal turn
+            while True:
+                await asyncio.sleep(0)
+                turn += 1
+
+        ticker = asyncio.create_task(clock())
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for i in range(3):
+                    tasks.create_task(choice(i))
+        finally:
+            ticker.cancel()
+        return arrived
+
+    arrived = asyncio.run(main(None))
+    assert sorted(a[:2] for a in arrived) == [(0, 0), (1, 10), (2, 20)]
+    assert len({a[2] for a in arrived}) == 1  # all in the same turn of the loop
+    assert sorted(i for i, _ in calls) == [0, 1, 2] and all(t.startswith("s2d-prepare") for _, t in calls)
+    calls.clear()
+    with pytest.raises(BaseExceptionGroup):
+        asyncio.run(main(2))
+    time.sleep(0.1)
+    assert calls == []  # nothing was prepared for the refused request
