@@ -11,9 +11,10 @@ and templates, and native calls such as a grammar compile), and each time the lo
 Two measures bound what one client's heavy requests cost the others:
 - a short switch interval (PREPARE_SWITCH_INTERVAL_S) in the router process, so the loop gets the GIL back within a
   fraction of a millisecond rather than CPython's default 5 ms;
-- a duty cycle (`limits.prepare_share`): after a preparation that took t seconds (past `HEAVY_S`) the worker rests
-  t x (1 / share - 1) before the next one. A client sending requests at every bound slows its own admissions (and
-  those queued behind them), not the rounds of the streams in flight; light requests never make it rest.
+- a duty cycle (`limits.prepare_share`) for heavy requests (a schema, tools, bad words, a long prompt:
+  request_limits.heavy_request): after a preparation that took t seconds (past `HEAVY_S`) the next heavy one starts
+  t x (1 / share - 1) later. A client sending requests at every bound slows its own admissions (and other heavy
+  ones), not the rounds of the streams in flight; light requests are prepared at once, rest or not.
 """
 
 from __future__ import annotations
@@ -31,30 +32,39 @@ HEAVY_S = 0.005  # a preparation shorter than this (a plain prompt) is not follo
 
 
 class Preparer:
-    """Runs preparation functions on one dedicated thread, awaited from the event loop, using at most `share` of a
-    core over time."""
+    """Runs preparation functions on one dedicated thread, awaited from the event loop; heavy ones (`heavy=True`)
+    one at a time, using at most `share` of a core over time, light ones at once (they never wait for a rest)."""
 
     def __init__(self, share: float = 1.0) -> None:
         sys.setswitchinterval(min(sys.getswitchinterval(), PREPARE_SWITCH_INTERVAL_S))  # this process's, see above
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="s2d-prepare")
         self.share = share
-        self._ready_at = 0.0  # monotonic time before which the worker rests (only the worker reads and writes it)
+        self._heavy = asyncio.Lock()
+        self._ready_at = 0.0  # monotonic time before which no heavy preparation starts (written on the worker)
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._paced, fn, args)
+    async def run(self, fn: Callable[..., T], *args, heavy: bool = True) -> T:
+        loop = asyncio.get_running_loop()
+        if not heavy:
+            return await loop.run_in_executor(self._pool, self._paced, fn, args, False)
+        async with self._heavy:  # the rest is awaited here, so light preparations use the worker meanwhile
+            wait = self._ready_at - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            return await loop.run_in_executor(self._pool, self._paced, fn, args, True)
 
-    def _paced(self, fn: Callable[..., T], args: tuple) -> T:
-        """On the worker: rest if the previous preparation asked for it, then run fn (errors included in the cost)."""
+    def _paced(self, fn: Callable[..., T], args: tuple, heavy: bool) -> T:
+        """On the worker: fn, and the rest its cost asks for before the next heavy one (errors included). The rest
+        is also kept here in case the loop's wait was skipped (a cancelled caller releases the lock early)."""
         wait = self._ready_at - time.monotonic()
-        if wait > 0:
+        if heavy and wait > 0:
             time.sleep(wait)
         start = time.monotonic()
         try:
             return fn(*args)
         finally:
             spent = time.monotonic() - start
-            rest = spent * (1.0 / self.share - 1.0) if spent > HEAVY_S else 0.0
-            self._ready_at = time.monotonic() + rest
+            if spent > HEAVY_S:  # a light one that was not, too
+                self._ready_at = max(self._ready_at, time.monotonic() + spent * (1.0 / self.share - 1.0))
 
 
 class PreparedGroup:
@@ -66,8 +76,8 @@ class PreparedGroup:
     asked (`get`): a request refused for capacity prepares nothing (its other choices are cancelled waiting).
     """
 
-    def __init__(self, preparer: Preparer, fn: Callable[..., T], calls: list[tuple]) -> None:
-        self._preparer, self._fn, self._calls = preparer, fn, calls
+    def __init__(self, preparer: Preparer, fn: Callable[..., T], calls: list[tuple], heavy: bool = True) -> None:
+        self._preparer, self._fn, self._calls, self._heavy = preparer, fn, calls, heavy
         self._arrived = 0
         self._started = asyncio.Event()
         self._task: asyncio.Future | None = None
@@ -76,7 +86,7 @@ class PreparedGroup:
         """Choice `index`'s result; every choice must call this (the work starts when the last one does)."""
         self._arrived += 1
         if self._arrived == len(self._calls):
-            self._task = asyncio.ensure_future(self._preparer.run(self._all))
+            self._task = asyncio.ensure_future(self._preparer.run(self._all, heavy=self._heavy))
             self._task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved if nobody waits
             self._started.set()
         await self._started.wait()

@@ -291,9 +291,10 @@ class Limits(_Strict):
         65536, ge=64, description="Largest JSON size of the schema a grammar is compiled from: all tools together, "
         "response_format's json_schema, or structured_outputs.")
     prepare_share: float = Field(
-        0.25, gt=0.0, le=1.0, description="Most of one core a router replica spends preparing requests (templates, "
-        "tokenization, grammar compiles) over time: after a heavy preparation it rests in proportion, so one "
-        "client's heavy requests slow its own admissions, not the streams in flight (serve/admission.py).")
+        0.1, gt=0.0, le=1.0, description="Most of one core a router replica spends preparing heavy requests (schemas, "
+        "tools, bad words, long prompts: templates, tokenization, grammar compiles) over time: the next heavy one "
+        "starts after a rest in proportion to the last one's cost, so one client's heavy requests slow heavy "
+        "admissions, not the streams in flight; light requests are prepared at once (serve/admission.py).")
 
 
 SERVE_TARGET_ONGOING = 2  # Serve's default target_ongoing_requests

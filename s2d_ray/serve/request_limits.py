@@ -53,3 +53,19 @@ def _json_size(value: BaseModel | list[BaseModel]) -> int:
     """Size of the value's JSON (pydantic's serializer: no Python walk of a large schema)."""
     items = value if isinstance(value, list) else [value]
     return sum(len(v.model_dump_json(by_alias=True, exclude_none=True)) for v in items)
+
+
+LIGHT_TEXT_CHARS = 4096  # a prompt or conversation up to this long is templated and tokenized in about a millisecond
+
+
+def heavy_request(req: Any) -> bool:
+    """Whether preparing `req` may take long (a grammar compile, tool schemas, bad words to encode, a long text):
+    such requests are prepared at a bounded share of a core (serve/admission.py), the others at once."""
+    if getattr(req, "tools", None) or req.structured_outputs is not None or req.bad_words:
+        return True
+    if req.response_format is not None and req.response_format.type != "text":
+        return True
+    if req.prompt_token_ids is not None:
+        return len(req.prompt_token_ids) > LIGHT_TEXT_CHARS
+    text = len(req.prompt or "") + sum(len(m.text()) for m in req.messages or ())
+    return text > LIGHT_TEXT_CHARS

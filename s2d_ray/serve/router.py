@@ -46,7 +46,7 @@ from .openai_protocol import (
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id
-from .request_limits import check_request_limits
+from .request_limits import check_request_limits, heavy_request
 from .round_timing import CallTimes
 from .scheduler import TargetScheduler
 
@@ -295,7 +295,8 @@ class Router:
             model = info.name
             ids = ResponseIds(chat)
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
-            group = PreparedGroup(self.preparer, to_generation, [(info, g, self.cfg.limits) for g in greqs])
+            group = PreparedGroup(self.preparer, to_generation, [(info, g, self.cfg.limits) for g in greqs],
+                                  heavy=any(heavy_request(g) for g in greqs))
             if oreq.stream:
                 streams = [self._run(g, group, i) for i, g in enumerate(greqs)]
                 firsts = await first_items(streams)  # admission errors (404, 400, 429) still get an HTTP status
@@ -357,7 +358,7 @@ class Router:
         arrival, first_token = time.perf_counter(), None
         with sched.reserve():  # a full target answers 429 before any tokenizing or compiling
             if group is None:
-                gen = await self.preparer.run(to_generation, info, req, self.cfg.limits)
+                gen = await self.preparer.run(to_generation, info, req, self.cfg.limits, heavy=heavy_request(req))
             else:
                 gen = await group.get(index)
             if req.suffix_scope and self.cfg.suffix.scope == "api_key":  # `global`: every request shares one store

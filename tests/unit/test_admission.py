@@ -41,21 +41,37 @@ def test_the_loop_keeps_ticking_while_a_request_is_prepared():
 
 
 @pytest.mark.parametrize("share, heavy, rests", [(0.25, True, True), (0.25, False, False), (1.0, True, False)])
-def test_a_heavy_preparation_makes_the_worker_rest(share, heavy, rests):
+def test_a_heavy_preparation_delays_the_next_heavy_one(share, heavy, rests):
     cost = 0.08 if heavy else HEAVY_S / 5
 
     async def main():
         preparer = Preparer(share)
         await preparer.run(_busy, cost)
         done = time.monotonic()
+        light = await preparer.run(time.monotonic, heavy=False)  # never waits for a rest
         nxt = await preparer.run(time.monotonic)
-        return nxt - done
+        return light - done, nxt - done
 
-    gap = asyncio.run(main())
+    light, gap = asyncio.run(main())
+    assert light < 0.05
     if rests:
         assert gap >= cost * (1 / share - 1) * 0.9
     else:
         assert gap < 0.05
+
+
+def test_light_preparations_run_while_a_heavy_one_waits_for_its_rest():
+    async def main():
+        preparer = Preparer(0.1)
+        await preparer.run(_busy, 0.05)  # the next heavy one starts 0.45 s later
+        start = time.monotonic()
+        heavy = asyncio.create_task(preparer.run(time.monotonic))
+        await asyncio.sleep(0.01)
+        light = await preparer.run(time.monotonic, heavy=False)
+        return light - start, await heavy - start
+
+    light, heavy = asyncio.run(main())
+    assert light < 0.1 < 0.3 < heavy
 
 
 def test_errors_pass_through_and_still_count():

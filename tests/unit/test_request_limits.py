@@ -79,3 +79,32 @@ def test_defaults_are_the_documented_ones_and_validated():
     check_request_limits(CompletionRequest.model_validate({**COMPLETION, "stop": ["a"] * 4}), d)
     with pytest.raises(RequestError, match="stop has 5 entries; the limit is 4"):
         check_request_limits(CompletionRequest.model_validate({**COMPLETION, "stop": ["a"] * 5}), d)
+
+
+def test_heavy_requests_are_those_whose_preparation_may_take_long():
+    from s2d_ray.serve.request_limits import LIGHT_TEXT_CHARS, heavy_request
+
+    light = [COMPLETION, {**COMPLETION, "prompt": "x" * LIGHT_TEXT_CHARS}, {**COMPLETION, "stop": ["a"]},
+             {"model": "m", "prompt_token_ids": [1] * 100}, CHAT, {**CHAT, "response_format": {"type": "text"}}]
+    heavy = [{**COMPLETION, "prompt": "x" * (LIGHT_TEXT_CHARS + 1)}, {**COMPLETION, "bad_words": ["w"]},
+             {**COMPLETION, "structured_outputs": {"regex": "a+"}}, {"model": "m", "prompt_token_ids": [1] * 5000},
+             {**CHAT, "tools": [_tool(0)]}, {**CHAT, "response_format": {"type": "json_object"}},
+             {**CHAT, "messages": [{"role": "user", "content": "y" * 3000}] * 2}]
+    assert not any(heavy_request(GenerateRequest.model_validate(b)) for b in light)
+    assert all(heavy_request(GenerateRequest.model_validate(b)) for b in heavy)
+
+
+def test_a_schema_check_is_cached_by_its_text():
+    """A client sending the same tools each turn pays the pure-Python schema check once (it is the bulk of a tool
+    request's preparation); an invalid schema is refused from the cache too."""
+    from s2d_ray.structured.grammars import _schema_error, check_json_schema
+
+    schema = {"type": "object", "properties": {"cached_probe": {"type": "string"}}}
+    before = _schema_error.cache_info()
+    check_json_schema(schema, "tools")
+    check_json_schema(dict(schema), "tools")
+    after = _schema_error.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    for _ in range(2):
+        with pytest.raises(RequestError, match="invalid JSON schema"):
+            check_json_schema({"type": "object", "properties": {"x": {"type": 5}}}, "tools")
