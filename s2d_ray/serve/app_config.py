@@ -310,6 +310,23 @@ class Limits(_Strict):
     seq_idle_ttl_s: float = Field(
         900.0, gt=0, description="Deployments drop KV of sequences untouched this long (state leaked by a dead router)."
     )
+    # Per-request work bounds: each is checked on the request's fields, before the queue, the tokenizer or the
+    # grammar compiler see it (a 400 naming the field; serve/request_limits.py).
+    max_stop_strings: int = Field(4, ge=0, description="Most stop strings (OpenAI's is 4).")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string (characters).")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids.")
+    max_bad_words: int = Field(128, ge=0, description="Most bad_words.")
+    max_bad_word_chars: int = Field(128, ge=1, description="Longest bad word (characters).")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries (OpenAI's is 300).")
+    max_tools: int = Field(128, ge=0, description="Most tools (OpenAI's is 128).")
+    max_schema_bytes: int = Field(
+        65536, ge=64, description="Largest JSON size of the schema a grammar is compiled from: all tools together, "
+        "response_format's json_schema, or structured_outputs.")
+    prepare_share: float = Field(
+        0.1, gt=0.0, le=1.0, description="Most of one core a router replica spends preparing heavy requests (schemas, "
+        "tools, bad words, long prompts: templates, tokenization, grammar compiles) over time: the next heavy one "
+        "starts after a rest in proportion to the last one's cost, so one client's heavy requests slow heavy "
+        "admissions, not the streams in flight; light requests are prepared at once (serve/admission.py).")
 
 
 SERVE_TARGET_ONGOING = 2  # Serve's default target_ongoing_requests

@@ -58,8 +58,12 @@ def server_error(exc: Exception, status: int, what: str, code: str,
     return ApiError(status, f"{what} (error id {error_id})", code, type_="server_error", retry_after_s=retry_after_s)
 
 
+RETRY_AFTER_S = 1  # a 429's Retry-After: a round or two frees a place at the tiny-to-small sizes served here
+
+
 def error_response(err: ApiError) -> JSONResponse:
-    headers = None if err.retry_after_s is None else {"retry-after": str(max(1, math.ceil(err.retry_after_s)))}
+    retry = err.retry_after_s if err.retry_after_s is not None else RETRY_AFTER_S if err.status == 429 else None
+    headers = None if retry is None else {"retry-after": str(max(1, math.ceil(retry)))}
     return JSONResponse(error_body(err.message, err.code, err.param, err.type), status_code=err.status,
                         headers=headers)
 

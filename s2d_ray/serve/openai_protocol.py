@@ -25,7 +25,6 @@ from .request_fields import (
     ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice, effective_tool_choice, refuse_unsupported,
 )
 
-MAX_STOP_STRINGS = 4
 TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id as a decimal string
 MIN_LOGPROB = -9999.0  # -inf (tokens past top-k / top-p) is not JSON; vLLM clamps to the same value
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default: the HTTP API behaves as OpenAI clients expect
@@ -170,9 +169,9 @@ class OpenAIFields(SamplingFields):
 
     @model_validator(mode="after")
     def _stops(self) -> "OpenAIFields":
-        stops = self.stop_list
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        # Their count and length are bounded by limits.max_stop_strings / max_stop_chars (request_limits.py).
+        if any(not s for s in self.stop_list):
+            raise ValueError("stop strings must be non-empty")
         return self
 
     def fan_out(self, prompts: list[dict[str, Any]], fields: dict[str, Any],

@@ -12,6 +12,7 @@ from ..prompts import encode_messages, encode_prompt
 from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, check_ids, request_processors, stop_ids
 from ..structured.tools import tool_prompt
 from .app_config import Limits
+from .detokenize import IncrementalText, cleans_up_spaces
 from .openai_protocol import GenerateRequest
 from .request_fields import grammar_of, tool_specs
 
@@ -103,30 +104,38 @@ def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:
 
 
 class TextAssembler:
-    """Incremental detokenization for streaming: never emits half a UTF-8 character or the start of a stop string,
-    and the concatenated deltas always equal the final text (the non-streaming response)."""
+    """Streaming text: never emits half a UTF-8 character or the start of a stop string, and the concatenated
+    deltas always equal the final text (the non-streaming response). Each round decodes only its new tokens
+    (detokenize.IncrementalText); the final text is one whole decode."""
 
     def __init__(self, info: ModelInfo, stop: tuple[str, ...], ids: list[int] | None = None) -> None:
         self.info, self.stop = info, stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = list(ids or [])
-        self.sent = ""
+        self.stream = IncrementalText(info.detokenize, whole=cleans_up_spaces(info.tokenizer))
+        if ids:
+            self.stream.extend(list(ids))
+        self.sent = 0  # characters of stream.text sent so far
+
+    @property
+    def ids(self) -> list[int]:
+        return self.stream.ids
 
     def push(self, tokens: list[int]) -> str:
-        self.ids.extend(tokens)
-        text = self.info.detokenize(self.ids)
-        safe = text.rstrip("\ufffd")
-        safe = safe[: max(len(safe) - self.holdback, 0)]
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+        self.stream.extend(tokens)
+        safe = len(self.stream.text) - self.holdback
+        if safe <= self.sent:
             return ""
-        delta, self.sent = safe[len(self.sent):], safe
+        delta = self.stream.text[self.sent:safe]
+        self.sent = safe
         return delta
 
-    def finish(self) -> str:
-        """The rest of the text, cut before the first stop string (OpenAI does not return the stop string)."""
-        text = self.final_text()
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent = text
+    def finish(self, tokens: list[int] = ()) -> str:
+        """The last tokens' text and the rest held back, cut before the first stop string (OpenAI does not return
+        the stop string; the last tokens are where the engine found it, so they are not pushed as a round's)."""
+        self.stream.ids.extend(tokens)
+        text, sent = self.final_text(), self.stream.text[:self.sent]
+        delta = text[len(sent):] if text.startswith(sent) else ""
+        self.sent = len(self.stream.text)
         return delta
 
     def final_text(self) -> str:

@@ -27,6 +27,7 @@ from ..build import assemble_engine, draft_base_source, load_profile, set_thread
 from ..errors import ModelNotFoundError, RequestTimeoutError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
+from .admission import PreparedGroup, Preparer
 from .affinity import Affinity, each_replica
 from .app_config import AppConfig
 from .choices import first_items, gather_all, merge
@@ -48,6 +49,7 @@ from .openai_protocol import (
 )
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id, target_window
+from .request_limits import check_request_limits, heavy_request
 from .round_timing import CallTimes
 from .health import ReadinessProbe, serve_status_reader, with_status
 from .scheduler import TargetScheduler
@@ -135,6 +137,7 @@ class Router:
                 check_same_vocabulary(base, info.tokenizer, f"draft {cfg.draft.source}", f"target {info.name}")
         self.schedulers = {name: self._scheduler(name) for name in self.models}
         self.models.update({a: replace(self.models[base], name=a) for a, base in self.adapters.base_of.items()})
+        self.preparer = Preparer(cfg.limits.prepare_share)  # tokenizing and grammar compiles, off the event loop
         logger.info("router: targets %s (sequences admitted at once %s), draft %s, tenants %s (isolation %s)",
                     sorted(self.models), {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, self.tenants.names or "none: open",
@@ -192,8 +195,11 @@ class Router:
     # --- the Python handle API ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """`await handle.generate.remote(GenerateRequest(...))`: the whole completion."""
-        req = GenerateRequest.model_validate(request)
-        async with contextlib.aclosing(self._run(req)) as stream:
+        return await self._generate(GenerateRequest.model_validate(request))
+
+    async def _generate(self, req: GenerateRequest, group: PreparedGroup | None = None,
+                        index: int = 0) -> GenerateResponse:
+        async with contextlib.aclosing(self._run(req, group, index)) as stream:
             chunks = [c async for c in stream]
         ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
@@ -332,6 +338,7 @@ class Router:
         try:
             tenant = self.tenants.authenticate(request)
             oreq = parse_body(await read_body(request, self.cfg.limits.max_body_bytes), kind)
+            check_request_limits(oreq, self.cfg.limits)  # before the fan-out copies it per choice
             try:
                 greqs = oreq.to_generate(self.cfg.limits.max_choices)  # one per choice
             except ValidationError as exc:
@@ -343,15 +350,17 @@ class Router:
             model = info.name
             ids = ResponseIds(chat)
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
+            group = PreparedGroup(self.preparer, to_generation, [(info, g, self.cfg.limits) for g in greqs],
+                                  heavy=any(heavy_request(g) for g in greqs))
             if oreq.stream:
-                streams = [self._run(g) for g in greqs]
+                streams = [self._run(g, group, i) for i, g in enumerate(greqs)]
                 # admission errors (404, 400, 429) still get an HTTP status; a queued stream starts with keep-alives
                 pending = asyncio.ensure_future(first_items(streams))
                 waiting = not await settled_within(pending, min(FIRST_WAIT_S, self.cfg.router.keepalive_s))
                 sse = (self._sse_queued(pending, ids, model, views, streams, oreq.n) if waiting else
                        self._sse(ids, model, views, pending.result(), streams, oreq.n))
                 return StreamingResponse(sse, media_type="text/event-stream")
-            resps = await gather_all([self.generate(g) for g in greqs])
+            resps = await gather_all([self._generate(g, group, i) for i, g in enumerate(greqs)])
             return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
             err = api_error(exc)  # a 5xx's exception goes to the log with the id the client gets
@@ -412,22 +421,31 @@ class Router:
         return f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
 
     # --- one request, HTTP or handle ---------------------------------------------------------------------------
-    async def _run(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Admit (limits checked), then one chunk per round; the last carries usage and the engine's metrics."""
+    async def _run(self, req: GenerateRequest, group: PreparedGroup | None = None,
+                   index: int = 0) -> AsyncIterator[GenerateChunk]:
+        """Admit (limits checked; prepared alone, or as choice `index` of `group`), then one chunk per round; the last
+        carries usage and the engine's metrics."""
         info = self._info(req.model)
         self.pusher.start()
-        gen = to_generation(info, req, self.cfg.limits)
-        # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
-        # outputs under `suffix.scope: api_key` also its end user.
-        scope = self.tenants.cache_scope(req.tenant, req.cache_salt)
-        end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
-        gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
-        base, gen = self.adapters.generation(req.model, gen)  # an adapter's rows decode on its base's engine
+        check_request_limits(req, self.cfg.limits)
+        base, _ = self.adapters.target(req.model)  # an adapter's rows decode on its base's engine
         sched = self.schedulers[base]
         arrival, first_token = time.perf_counter(), None
-        text = TextAssembler(info, gen.stop_strings)
+        with sched.reserve():  # a full target answers 429 before any tokenizing or compiling
+            if group is None:
+                gen = await self.preparer.run(to_generation, info, req, self.cfg.limits, heavy=heavy_request(req))
+            else:
+                gen = await group.get(index)
+            # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
+            # outputs under `suffix.scope: api_key` also its end user.
+            scope = self.tenants.cache_scope(req.tenant, req.cache_salt)
+            end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
+            gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
+            _, gen = self.adapters.generation(req.model, gen)
+            text = TextAssembler(info, gen.stop_strings)
+            # Nothing awaits between the submit and _events' try: a closed stream always aborts its sequence.
+            events = self._events(sched, gen, sched.submit(gen))
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
-        events = self._events(sched, gen)
         if self.cfg.router.stream_interval > 1:
             events = coalesced(events, self.cfg.router.stream_interval)
         async with contextlib.aclosing(events) as events:
@@ -438,22 +456,23 @@ class Router:
                 prompt = {}
                 if ev.prompt_logprobs is not None:
                     prompt = {"prompt_token_ids": gen.prompt_ids, "prompt_logprobs": ev.prompt_logprobs}
-                delta = text.push(tokens)
                 if not ev.finished:
+                    delta = text.push(tokens)
                     if tokens or prompt:
                         yield GenerateChunk(text=delta, token_ids=tokens, logprobs=logprobs, **prompt)
                     continue
+                delta = text.finish(tokens)
                 n_out = len(text.ids)
                 usage = Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n_out,
                               total_tokens=len(gen.prompt_ids) + n_out)
                 self.metrics.record_finished(req.model, len(gen.prompt_ids), ev.finish_reason or "abort", ev.metrics,
                                              time.perf_counter() - arrival, first_token)
-                yield GenerateChunk(text=delta + text.finish(), token_ids=tokens, finish_reason=ev.finish_reason,
+                yield GenerateChunk(text=delta, token_ids=tokens, finish_reason=ev.finish_reason,
                                     usage=usage, metrics=ev.metrics, logprobs=logprobs, **prompt)
 
-    async def _events(self, sched: TargetScheduler, gen) -> AsyncIterator[Event]:
-        """The request's events until it finishes; on timeout, error or a vanished client the sequence is aborted."""
-        queue = sched.submit(gen)
+    async def _events(self, sched: TargetScheduler, gen, queue: asyncio.Queue) -> AsyncIterator[Event]:
+        """The submitted request's events until it finishes; on timeout, error or a vanished client the sequence is
+        aborted."""
         deadline = time.monotonic() + self.cfg.limits.request_timeout_s
         finished, reason = False, "cancelled"  # client gone (CancelledError / generator closed) unless set below
         try:

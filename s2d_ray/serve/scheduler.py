@@ -43,6 +43,7 @@ class TargetScheduler:
         self.thread, self.busy_elsewhere = thread, busy_elsewhere or (lambda: False)
         self.clients = self._local_clients() if thread is not None else None
         self.rounds_now = 0  # rounds run whole on the model thread
+        self.preparing = 0  # requests holding a reservation (`reserve`) while they are prepared
 
     def _local_clients(self) -> list[DeploymentClient] | None:
         """The engine's clients when its target and draft are all in this process (else None): a round can then run
@@ -77,10 +78,26 @@ class TargetScheduler:
     def num_running(self) -> int:
         return len(self.engine.live_ids())
 
-    def submit(self, req: GenerationRequest) -> asyncio.Queue[Event]:
-        if len(self.waiting) + self.num_running >= self.max_running + self.max_waiting:
+    @contextlib.contextmanager
+    def reserve(self):
+        """A place for one request while it is prepared (tokenized, its grammar compiled): refused with
+        CapacityError NOW, before that work, when the running, queued and in-preparation requests fill the target;
+        held until the request is submitted (or given up)."""
+        self._check_capacity(self.preparing)
+        self.preparing += 1
+        try:
+            yield
+        finally:
+            self.preparing -= 1
+
+    def _check_capacity(self, extra: int = 0) -> None:
+        if len(self.waiting) + self.num_running + extra >= self.max_running + self.max_waiting:
             raise CapacityError(f"target {self.name} is at capacity ({self.max_running} running, "
                                 f"{self.max_waiting} queued); retry later")
+
+    def submit(self, req: GenerationRequest) -> asyncio.Queue[Event]:
+        """Queue a prepared request (a reserved one always has room: reservations count against capacity)."""
+        self._check_capacity()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self.queues[req.seq_id] = queue
         self.waiting[req.seq_id] = req

@@ -58,7 +58,13 @@ CASES = [
      None),
     ("chat-top-logprobs-without-logprobs", "chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, None),
     ("chat-logprobs-int", "chat/completions", {**CHAT_OK, "logprobs": 3}, 400, "logprobs"),
-    ("too-many-stops", "completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ("too-many-stops", "completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("stop-too-long", "completions", {**OK, "stop": ["x" * 257]}, 400, "stop"),
+    ("too-many-stop-token-ids", "completions", {**OK, "stop_token_ids": list(range(65))}, 400, "stop_token_ids"),
+    ("too-many-bad-words", "completions", {**OK, "bad_words": ["w"] * 129}, 400, "bad_words"),
+    ("bad-word-too-long", "chat/completions", {**CHAT_OK, "bad_words": ["w" * 129]}, 400, "bad_words"),
+    ("too-many-logit-biases", "completions", {**OK, "logit_bias": {str(i): 1 for i in range(301)}}, 400,
+     "logit_bias"),
     ("chat-no-messages", "chat/completions", {**CHAT_OK, "messages": []}, 400, "messages"),
     ("chat-messages-string", "chat/completions", {**CHAT_OK, "messages": "hi"}, 400, "messages"),
     ("chat-bad-role", "chat/completions", {**CHAT_OK, "messages": [{"role": "wizard", "content": "x"}]}, 400,
@@ -111,11 +117,14 @@ def test_unknown_route_and_method(tiny_app):
 
 
 def test_queue_limit_gives_429_and_others_succeed(tiny_app):
-    """4 running + 4 queued per target: a burst of 14 long requests gets some 429s, the admitted ones finish."""
+    """4 running + 4 queued per target: a burst of 14 long requests gets some 429s (with Retry-After), the admitted
+    ones finish."""
     body = {**OK, "prompt": "The quick brown fox", "max_tokens": 64}
     with concurrent.futures.ThreadPoolExecutor(14) as pool:
-        codes = list(pool.map(lambda _: post(f"{tiny_app.url}/v1/completions", body).status_code, range(14)))
+        resps = list(pool.map(lambda _: post(f"{tiny_app.url}/v1/completions", body), range(14)))
+    codes = [r.status_code for r in resps]
     assert codes.count(429) >= 1, codes
+    assert all(r.headers.get("retry-after") == "1" for r in resps if r.status_code == 429)
     assert codes.count(200) >= 8, codes
     assert set(codes) <= {200, 429}
 

@@ -5,6 +5,7 @@ numbers, odd encodings, unicode, denormal temperatures). Never a 5xx; the server
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import httpx
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.serve
 
 OK = {"model": "tiny-a", "prompt": "hello there", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+CASE_BOUND_S = 60.0  # one generated case, answered (a schema-valid body may ask for up to 448 tokens)
 
 
 def _raw(body: dict, **extra) -> bytes:
@@ -110,6 +112,7 @@ def test_openapi_schema_fuzz_never_5xx(tiny_app):
     doc = httpx.get(f"{tiny_app.url}/openapi.json", timeout=HTTP_TIMEOUT).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
     seen: Counter = Counter()
+    slowest = [0.0]
     for op, mode, strategy in _schema_cases(doc):
         examples = (60 if mode.value == "positive" else 30) if op.method.lower() == "post" else 5
 
@@ -120,14 +123,18 @@ def test_openapi_schema_fuzz_never_5xx(tiny_app):
             case, (model, with_key) = drawn
             if model is not None and isinstance(case.body, dict):
                 case.body["model"] = model
+            started = time.monotonic()
             resp = case.call(base_url=tiny_app.url, headers=AUTH if with_key else {}, timeout=120)
+            slowest[0] = max(slowest[0], time.monotonic() - started)
+            assert time.monotonic() - started < CASE_BOUND_S, (op.path, case.body)  # no hang
             seen[(op.path, mode.value, resp.status_code)] += 1
             assert resp.status_code < 500, (op.path, case.body, resp.text[:300])
             if resp.status_code >= 400:
                 assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, resp.text[:300]
 
         check()
-    print("FUZZ", json.dumps({f"{p} {m} {s}": n for (p, m, s), n in sorted(seen.items())}))
+    print("FUZZ", json.dumps({f"{p} {m} {s}": n for (p, m, s), n in sorted(seen.items())}),
+          f"slowest {slowest[0]:.1f} s")
     assert sum(n for (p, _, s), n in seen.items() if s == 200 and p.endswith("completions")) >= 5  # some were valid
     assert post(f"{tiny_app.url}/v1/completions", OK).status_code == 200
 

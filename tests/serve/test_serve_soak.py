@@ -1,6 +1,7 @@
 """A bounded soak of the served app (tiny float64 models, two targets sharing one draft): 32 warm-up + 208 requests
 (env S2D_SOAK_REQUESTS) at concurrency 16 mixing prompt lengths, max_tokens, completions and chat, streaming and not,
-greedy and seeded sampling, client hang-ups mid-stream, client timeouts and bad input.
+greedy and seeded sampling, client hang-ups mid-stream, client timeouts and bad input; a quarter of the greedy requests
+also fill stop strings, bad words and logit biases with values that leave the output as it is (NO_OP_BOUNDS).
 
 It asserts: no request is lost or hangs (each ends within a bound, the whole run within another), greedy output
 equals in-process target-only greedy, seeded sampled output equals in-process S2D with the same seed, bad input gets
@@ -39,6 +40,13 @@ DEPLOYMENTS = ("router", "draft", "target-tiny-a", "target-tiny-b")
 MAX_PROMPT = {"tiny-a": 160, "tiny-b": 72}  # tiny-b's context is 128
 MAX_TOKENS = [1, 2, 5, 8, 16, 24, 32, 48]
 CHAT_TEXTS = ["hi", "Write a short poem about the sea.", "What is 17 * 23?", "Name three primary colors, please."]
+# Per-request bounds filled with values that leave greedy output as it is (strings the tiny models never write, zero
+# biases): these requests run every penalty processor on full rows, under concurrency, and must still be exact.
+NO_OP_BOUNDS = {
+    "stop": [f"\u2603never-{i}-" + "q" * 24 for i in range(4)],
+    "bad_words": [f"\u2603bad{i}\u2603" for i in range(24)],
+    "logit_bias": {str(i): 0.0 for i in range(3, 83)},
+}
 BAD = [  # (body, path, status, headers)
     (b'{"model": "tiny-a", "prompt": ', "completions", 400, None),
     ({"model": "gpt-17", "prompt": "x", "max_tokens": 2}, "completions", 404, None),
@@ -122,6 +130,8 @@ def _good_job(rng: random.Random, refs: dict, sampled: bool) -> Job:
         params = SamplingParams(temperature=rng.choice([0.6, 0.9, 1.3]), top_k=rng.choice([0, 20]),
                                 top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1 << 31))
         body.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+    if not sampled and rng.random() < 0.25:
+        body.update(NO_OP_BOUNDS)
     ref = refs[model]["sampled" if sampled else "greedy"]
     out = ref.greedy(ids, max_tokens, params) if params else ref.greedy(ids, max_tokens)
     return Job("sampled" if sampled else "greedy", "chat/completions" if chat else "completions", body,

@@ -221,6 +221,36 @@ def test_capacity_counts_running_and_waiting_and_frees_on_finish(target, expecte
     assert [a[0], b[0], c[0]] == want[:3]
 
 
+def test_reservations_count_against_capacity_before_any_preparation(target, expected):
+    """A request reserves its place before it is tokenized (`reserve`): with the target full of running, queued
+    and in-preparation requests the next one is refused at once; a reservation given up (an error while preparing)
+    or turned into a submit frees or keeps the place as it should."""
+    prompts, want = expected
+    s = Setup(target, max_running=1, max_waiting=2)
+
+    async def main():
+        first = s.submit("a", prompts[0])
+        with s.sched.reserve():
+            with s.sched.reserve():
+                with pytest.raises(CapacityError, match="at capacity"):
+                    with s.sched.reserve():
+                        pass
+            second = s.submit("b", prompts[1])  # the outer reservation's request: room kept for it
+        assert s.sched.preparing == 0
+        with s.sched.reserve():  # two of three places taken: one left
+            with pytest.raises(CapacityError):
+                with s.sched.reserve():
+                    raise AssertionError("a place was given past capacity")
+        with pytest.raises(RuntimeError):
+            with s.sched.reserve():
+                raise RuntimeError("tokenizer failed")  # the place is freed on error
+        assert s.sched.preparing == 0
+        return await collect(first), await collect(second)
+
+    a, b = s.run(main)
+    assert [a[0], b[0]] == want[:2]
+
+
 def test_an_invalid_request_gets_an_error_event_and_the_others_run(target, expected):
     prompts, want = expected
     s = Setup(target, max_running=4, max_waiting=4, max_context=40)
