@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from ..core.engine import GenerationRequest
+from ..core.engine import GenerationRequest, stop_string_at
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
 from ..prompts import encode_messages, encode_prompt
@@ -79,7 +79,7 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     processors = build_processors(info, req, len(ids), stops)
     extra = {"processors": processors} if processors else {}
     return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, stops, tuple(req.stop_list),
-                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate,
+                             min_tokens=req.min_tokens, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate,
                              **extra)
 
 
@@ -104,10 +104,12 @@ def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:
 
 class TextAssembler:
     """Incremental detokenization for streaming: never emits half a UTF-8 character or the start of a stop string,
-    and the concatenated deltas always equal the final text (the non-streaming response)."""
+    and the concatenated deltas always equal the final text (the non-streaming response). A stop string counts
+    only where it ends after the first `min_tokens` tokens' text (the engine's rule)."""
 
-    def __init__(self, info: ModelInfo, stop: tuple[str, ...], ids: list[int] | None = None) -> None:
-        self.info, self.stop = info, stop
+    def __init__(self, info: ModelInfo, stop: tuple[str, ...], ids: list[int] | None = None,
+                 min_tokens: int = 0) -> None:
+        self.info, self.stop, self.min_tokens = info, stop, min_tokens
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = list(ids or [])
         self.sent = ""
@@ -131,5 +133,6 @@ class TextAssembler:
 
     def final_text(self) -> str:
         text = self.info.detokenize(self.ids)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        base = len(self.info.detokenize(self.ids[: self.min_tokens])) if self.min_tokens else 0
+        cut = stop_string_at(text, self.stop, base)
+        return text[:cut] if cut >= 0 else text

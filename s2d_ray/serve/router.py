@@ -178,7 +178,7 @@ class Router:
             chunks = [c async for c in stream]
         ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
-        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids)
+        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids, req.min_tokens)
         logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
         return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
                                 finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
@@ -346,7 +346,7 @@ class Router:
             gen = replace(gen, suffix_scope=req.suffix_scope)
         sched = self.schedulers[req.model]
         arrival, first_token = time.perf_counter(), None
-        text = TextAssembler(info, gen.stop_strings)
+        text = TextAssembler(info, gen.stop_strings, min_tokens=gen.min_tokens)
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
         events = self._events(sched, gen)
         if self.cfg.router.stream_interval > 1:
