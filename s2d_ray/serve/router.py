@@ -43,6 +43,7 @@ from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
+from ..token_bytes import token_bytes_fn
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id, target_window
 from .round_timing import CallTimes
@@ -314,7 +315,7 @@ class Router:
             # Token ids are checked (a 400) before they are decoded: the tokenizer fails on ids outside its vocabulary.
             echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(encode(info, greq))
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
-                          oreq.return_token_ids, greq.tool_mode)
+                          oreq.return_token_ids, greq.tool_mode, token_bytes_fn(info.tokenizer))
 
     async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
                    streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
