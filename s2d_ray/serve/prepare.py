@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from ..core.engine import GenerationRequest, stop_string_at
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
-from ..prompts import encode_messages, encode_prompt
+from ..prompts import encode_prompt
 from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, check_ids, request_processors, stop_ids
-from ..structured.tools import tool_prompt
 from .app_config import Limits
+from .chat_render import encode_chat
 from .openai_protocol import GenerateRequest
 from .request_fields import grammar_of, tool_specs
 
@@ -40,15 +40,8 @@ def encode(info: ModelInfo, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         if not any(m.text().strip() for m in req.messages):
             raise RequestError("messages are empty")
-        messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
-        mode = req.tool_mode
-        if mode is not None:  # the tools, shown in the system message (the grammar enforces the call's format)
-            tools = tool_prompt(tool_specs(req.tools), mode)
-            if messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools}
-            else:
-                messages.insert(0, {"role": "system", "content": tools})
-        return encode_messages(tok, messages)
+        mode = req.tool_mode  # the tools are shown when set (the grammar enforces the call's format)
+        return encode_chat(tok, req.messages, tool_specs(req.tools) if mode is not None else None, mode)
     return encode_prompt(tok, req.prompt or "", chat=False)
 
 
