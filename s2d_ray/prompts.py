@@ -41,10 +41,11 @@ def override_chat_template(tokenizer, template: str | None) -> None:
     tokenizer.chat_template = path.read_text() if "{" not in template else template
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model has no chat template: send a plain prompt instead")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
     ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
     return [int(i) for i in ids]
 

@@ -13,6 +13,7 @@ from ..config import SamplingConfig
 from ..core.engine import GenerationRequest
 from ..core.types import SamplingParams
 from ..prompts import encode_prompt, read_prompt_file
+from ..token_bytes import token_bytes_fn
 from .engine_args import add_engine_args, add_logits_args, check_logits_args, engine_config, logits_processors
 
 
@@ -65,6 +66,7 @@ def _generate(args: argparse.Namespace, results) -> int:
     prompts = [args.prompt] if args.prompt is not None else read_prompt_file(args.prompt_file)
     built = build_engine(cfg)
     tok = built.target.tokenizer
+    token_bytes = token_bytes_fn(tok)
     params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
     eos = tuple(i for i in {tok.eos_token_id} if i is not None)
     for start in range(0, len(prompts), args.batch_size):
@@ -78,7 +80,8 @@ def _generate(args: argparse.Namespace, results) -> int:
                        "metrics": {**res.metrics, **built.engine.verifier.prefix_cache_stats(),  # caches: so far
                                    **(built.engine.suffix.stats() if built.engine.suffix is not None else {})}}
                 if res.logprobs is not None:
-                    row["logprobs"] = [{"token_id": e.token, "logprob": e.logprob,
+                    row["logprobs"] = [{"token_id": e.token, "token": tok.decode([e.token]),
+                                        "bytes": token_bytes(e.token), "logprob": e.logprob,
                                         "top": [[i, max(v, -9999.0)] for i, v in e.top]} for e in res.logprobs]
                 print(json.dumps(row), file=results, flush=True)
             else:

@@ -51,6 +51,9 @@ class GenerationRequest:
     params: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    # Stop strings count only where they end after this many generated tokens (vLLM's min_tokens; the stop ids are
+    # banned until then by the request's MinTokens processor).
+    min_tokens: int = 0
     logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top-n (core/logprobs.py)
     prompt_logprobs: bool = False  # score the prompt in the first round (top-n as `logprobs`)
     speculate: bool = True  # False: plain target steps for this sequence (no draft, no lookup), the per-request opt-out
@@ -142,7 +145,9 @@ class SpecEngine:
         self.detokenize = detokenize
         self.seqs: dict[str, _Sequence] = {}
         self.profile = RoundProfile()  # where rounds spend their time (draft, verify, prompt, host), for stats
-        self.vocab: int | None = None  # the target's logit width, learnt from its first full rows (probing needs it)
+        # The target's logit width (pruning probes rows of it): the verifier's when it says (an in-process target),
+        # else learnt from its first full rows (a deployment client), so nothing is pruned before them.
+        self.vocab: int | None = getattr(verifier, "vocab_size", None)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
     def add_request(self, req: GenerationRequest) -> None:
@@ -461,12 +466,15 @@ class SpecEngine:
         return emitted
 
     def _stop_string_cut(self, seq: _Sequence) -> int | None:
-        """Fewest generated tokens whose text contains a stop string, or None."""
-        text = self.detokenize(seq.generated)
-        if not any(s in text for s in seq.req.stop_strings):
+        """Fewest generated tokens whose text has a stop string ending after the first `min_tokens` tokens' text."""
+        floor, stops = seq.req.min_tokens, seq.req.stop_strings
+        if len(seq.generated) <= floor:
             return None
-        for n in range(1, len(seq.generated) + 1):
-            if any(s in self.detokenize(seq.generated[:n]) for s in seq.req.stop_strings):
+        base = len(self.detokenize(seq.generated[:floor])) if floor else 0
+        if stop_string_at(self.detokenize(seq.generated), stops, base) < 0:
+            return None
+        for n in range(floor + 1, len(seq.generated) + 1):
+            if stop_string_at(self.detokenize(seq.generated[:n]), stops, base) >= 0:
                 return n
         return None
 
@@ -524,6 +532,13 @@ def _as_tree(prop: Proposal) -> TokenTree:
     parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
     scores = prop.scores if prop.scores is not None else [1.0] * n
     return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores), prop.match_ngram)
+
+
+def stop_string_at(text: str, stops: Collection[str], base: int = 0) -> int:
+    """Where the first stop string in `text` that ends after `base` characters starts, or -1 (vLLM's min_tokens
+    rule: a stop string inside the first min_tokens tokens' text does not count)."""
+    hits = [i for s in stops if (i := text.find(s, max(base - len(s) + 1, 0))) >= 0]
+    return min(hits, default=-1)
 
 
 def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None = None) -> torch.Tensor:

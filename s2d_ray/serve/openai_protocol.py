@@ -343,12 +343,15 @@ class ChoiceView:
     Completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, the chosen token included in each
     top_logprobs dict (so up to n + 1 entries, as OpenAI documents); with echo the prompt's tokens come first, the
     first with null. Chat: `{content: [{token, logprob, bytes, top_logprobs: [...]}]}`. Token strings are the tokens
-    decoded one by one; offsets count those strings from the start of the choice's text.
+    decoded one by one; offsets count those strings from the start of the choice's text. Chat `bytes` are the
+    token's own bytes (`token_bytes`, s2d_ray/token_bytes.py), right for byte-fallback and partial-character tokens.
     """
 
     def __init__(self, ids: ResponseIds, index: int, token_text: Callable[[int], str], logprobs: bool,
-                 echo_text: str | None = None, token_ids: bool = False, tool_mode: str | None = None) -> None:
+                 echo_text: str | None = None, token_ids: bool = False, tool_mode: str | None = None,
+                 token_bytes: Callable[[int], list[int]] | None = None) -> None:
         self.ids, self.index, self.token_text = ids, index, token_text
+        self.token_bytes = token_bytes or (lambda t: list(token_text(t).encode("utf-8")))
         self.want_logprobs, self.echo_text, self.want_token_ids = logprobs, echo_text, token_ids
         self.offset = 0
         self.tool_mode, self.streamed, self.call_id = tool_mode, "", "call_" + uuid.uuid4().hex[:24]
@@ -414,7 +417,7 @@ class ChoiceView:
     def _chat_logprobs(self, entries: list[TokenLogprob | None]) -> dict:
         def item(token: int, logprob: float) -> dict:
             s = self.token_text(token)
-            return {"token": s, "logprob": _clamp(logprob), "bytes": list(s.encode("utf-8"))}
+            return {"token": s, "logprob": _clamp(logprob), "bytes": self.token_bytes(token)}
 
         content = [{**item(e.token, e.logprob), "top_logprobs": [item(i, v) for i, v in e.top]}
                    for e in entries if e is not None]

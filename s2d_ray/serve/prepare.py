@@ -5,13 +5,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from ..core.engine import GenerationRequest
+from ..core.engine import GenerationRequest, stop_string_at
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
-from ..prompts import encode_messages, encode_prompt
+from ..prompts import encode_prompt
 from ..structured.requests import PenaltySpec, bad_word_ids, bias_pairs, check_ids, request_processors, stop_ids
-from ..structured.tools import tool_prompt
 from .app_config import Limits
+from .chat_render import encode_chat
 from .detokenize import IncrementalText, cleans_up_spaces
 from .openai_protocol import GenerateRequest
 from .request_fields import grammar_of, tool_specs
@@ -41,15 +41,8 @@ def encode(info: ModelInfo, req: GenerateRequest) -> list[int]:
     if req.messages is not None:
         if not any(m.text().strip() for m in req.messages):
             raise RequestError("messages are empty")
-        messages = [{"role": m.template_role(), "content": m.text()} for m in req.messages]
-        mode = req.tool_mode
-        if mode is not None:  # the tools, shown in the system message (the grammar enforces the call's format)
-            tools = tool_prompt(tool_specs(req.tools), mode)
-            if messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools}
-            else:
-                messages.insert(0, {"role": "system", "content": tools})
-        return encode_messages(tok, messages)
+        mode = req.tool_mode  # the tools are shown when set (the grammar enforces the call's format)
+        return encode_chat(tok, req.messages, tool_specs(req.tools) if mode is not None else None, mode)
     return encode_prompt(tok, req.prompt or "", chat=False)
 
 
@@ -80,7 +73,7 @@ def to_generation(info: ModelInfo, req: GenerateRequest, limits: Limits) -> Gene
     processors = build_processors(info, req, len(ids), stops)
     extra = {"processors": processors} if processors else {}
     return GenerationRequest(uuid.uuid4().hex, ids, max_tokens, params, stops, tuple(req.stop_list),
-                             logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate,
+                             min_tokens=req.min_tokens, logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, speculate=req.speculate,
                              **extra)
 
 
@@ -106,10 +99,12 @@ def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:
 class TextAssembler:
     """Streaming text: never emits half a UTF-8 character or the start of a stop string, and the concatenated
     deltas always equal the final text (the non-streaming response). Each round decodes only its new tokens
-    (detokenize.IncrementalText); the final text is one whole decode."""
+    (detokenize.IncrementalText); the final text is one whole decode. A stop string counts only where it ends after
+    the first `min_tokens` tokens' text (the engine's rule)."""
 
-    def __init__(self, info: ModelInfo, stop: tuple[str, ...], ids: list[int] | None = None) -> None:
-        self.info, self.stop = info, stop
+    def __init__(self, info: ModelInfo, stop: tuple[str, ...], ids: list[int] | None = None,
+                 min_tokens: int = 0) -> None:
+        self.info, self.stop, self.min_tokens = info, stop, min_tokens
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.stream = IncrementalText(info.detokenize, whole=cleans_up_spaces(info.tokenizer))
         if ids:
@@ -140,5 +135,6 @@ class TextAssembler:
 
     def final_text(self) -> str:
         text = self.info.detokenize(self.ids)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        base = len(self.info.detokenize(self.ids[: self.min_tokens])) if self.min_tokens else 0
+        cut = stop_string_at(text, self.stop, base)
+        return text[:cut] if cut >= 0 else text

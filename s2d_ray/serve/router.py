@@ -47,6 +47,7 @@ from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
     ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
 )
+from ..token_bytes import token_bytes_fn
 from .prepare import ModelInfo, TextAssembler, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id, target_window
 from .request_limits import check_request_limits, heavy_request
@@ -203,7 +204,7 @@ class Router:
             chunks = [c async for c in stream]
         ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
-        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids)
+        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids, req.min_tokens)
         logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
         return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
                                 finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
@@ -380,7 +381,7 @@ class Router:
             # Token ids are checked (a 400) before they are decoded: the tokenizer fails on ids outside its vocabulary.
             echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(encode(info, greq))
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
-                          oreq.return_token_ids, greq.tool_mode)
+                          oreq.return_token_ids, greq.tool_mode, token_bytes_fn(info.tokenizer))
 
     async def _sse_queued(self, pending: asyncio.Future, ids: ResponseIds, model: str, views: list[ChoiceView],
                           streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
@@ -442,7 +443,7 @@ class Router:
             end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
             gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
             _, gen = self.adapters.generation(req.model, gen)
-            text = TextAssembler(info, gen.stop_strings)
+            text = TextAssembler(info, gen.stop_strings, min_tokens=gen.min_tokens)
             # Nothing awaits between the submit and _events' try: a closed stream always aborts its sequence.
             events = self._events(sched, gen, sched.submit(gen))
         drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned

@@ -4,6 +4,10 @@ Each row is masked with its own history: one matcher follows the committed token
 grows for one sequence), and for every row it consumes that row's branch, computes the mask, and rolls back. Rows
 come parent before child (a chain's prefixes, a tree's node paths), so consecutive branches share their prefix and the
 matcher rolls back only to where they part. Once the grammar is complete only the stop tokens are allowed.
+
+A matcher that refuses a rollback (or errs) would stay ahead of the history and mask every later row for the wrong
+prefix, and its errors survive `reset()`: it is then rebuilt from the grammar and replayed over the committed tokens.
+The mask is built on the host (llguidance writes host memory) and moved to the logits' device once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class GrammarProcessor:
     as with ignore_eos: the tokenizer's EOS, so the sequence runs on to its length limit)."""
 
     def __init__(self, grammar: CompiledGrammar, prompt_len: int, stop_ids: Sequence[int]) -> None:
+        self.grammar = grammar
         self.matcher = grammar.matcher()
         self.prompt_len = prompt_len
         self.eos = grammar.tokenizer.eos_token
@@ -37,19 +42,20 @@ class GrammarProcessor:
         valid = [False] * len(branches)
         if ok:
             valid = self._fill(branches, bits)
-        allowed = self._allowed(bits, valid, logits.shape[1])
+        allowed = self._allowed(bits, valid, logits.shape[1]).to(logits.device, non_blocking=True)
         out = logits.masked_fill(~allowed, float("-inf"))
-        dead = ~torch.isfinite(out).any(dim=-1)  # an earlier processor banned all the grammar allows (min_tokens)
-        if bool(dead.any()):
-            out[dead] = torch.zeros((), dtype=out.dtype).masked_fill(~allowed[dead], float("-inf"))
-        return out
+        # A row where an earlier processor banned all the grammar allows (min_tokens) keeps the grammar's choice
+        # (no host sync: a select on the logits' device).
+        dead = ~torch.isfinite(out).any(dim=-1, keepdim=True)
+        only = torch.zeros((), dtype=out.dtype, device=out.device).masked_fill(~allowed, float("-inf"))
+        return torch.where(dead, only, out)
 
     def _advance(self, generated: list[int]) -> bool:
         """Follow the committed tokens; False if they break the grammar (the row may then only stop)."""
         n = len(self.history)
         if len(generated) < n or generated[:n] != self.history:  # not an extension: replay from the start
-            self.matcher.reset()
-            self.history, n = [], 0
+            self._rebuild([])
+            n = 0
         new = generated[n:]
         if new:
             self.matcher.consume_tokens(new)
@@ -65,7 +71,7 @@ class GrammarProcessor:
             while common < min(len(stack), len(branch)) and stack[common] == branch[common]:
                 common += 1
             if len(stack) > common:
-                self.matcher.rollback(len(stack) - common)
+                self._rollback(len(stack) - common, stack[:common])
                 del stack[common:]
             rest = branch[common:]
             taken = self.matcher.try_consume_tokens(rest) if rest else 0
@@ -75,8 +81,24 @@ class GrammarProcessor:
                 llt.fill_next_token_bitmask(self.matcher, bits, i)
             valid.append(good)
         if stack:
-            self.matcher.rollback(len(stack))
+            self._rollback(len(stack), [])
         return valid
+
+    def _rollback(self, n: int, kept: list[int]) -> None:
+        """Undo the last n branch tokens, leaving `kept` (the branch tokens before them) consumed; a matcher that
+        refuses (or is left in error) is rebuilt at the history and replays `kept`."""
+        if not self.matcher.rollback(n) or self.matcher.is_error():
+            self._rebuild(self.history)
+            if kept:
+                self.matcher.consume_tokens(kept)
+
+    def _rebuild(self, history: list[int]) -> None:
+        """A fresh matcher (errors are sticky across `reset()`) advanced over `history`."""
+        history = list(history)
+        self.matcher = self.grammar.matcher()
+        if history:
+            self.matcher.consume_tokens(history)
+        self.history = history
 
     def _allowed(self, bits: torch.Tensor, valid: list[bool], width: int) -> torch.Tensor:
         """Bool [n, width]: the grammar's tokens; its EOS stands for every stop token; invalid rows only stop."""

@@ -66,17 +66,21 @@ def tool_grammar(tools: tuple[ToolSpec, ...], choice: str) -> GrammarSpec:
     return GrammarSpec("grammar", lark, "tools")
 
 
+def tool_instructions(choice: str) -> str:
+    """How to answer under `choice` (the grammar enforces the format either way)."""
+    if choice == "auto":
+        return (f"To call a function, answer with {OPEN}{{\"name\": <function name>, \"arguments\": <arguments "
+                f"object>}}{CLOSE}")
+    if choice == "required":
+        return "Answer with one call: {\"name\": <function name>, \"arguments\": <arguments object>}"
+    return f"Answer with the arguments object of a call to {choice}."
+
+
 def tool_prompt(tools: tuple[ToolSpec, ...], choice: str) -> str:
-    """The system text that lists the tools and how to call one (the grammar enforces the format either way)."""
+    """The system text that lists the tools and how to call one, for templates that do not render tools."""
     listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.schema})
                         for t in tools)
-    if choice in ("auto", "required"):
-        how = (f"To call a function, answer with {OPEN}{{\"name\": <function name>, \"arguments\": <arguments "
-               f"object>}}{CLOSE}" if choice == "auto" else
-               "Answer with one call: {\"name\": <function name>, \"arguments\": <arguments object>}")
-    else:
-        how = f"Answer with the arguments object of a call to {choice}."
-    return f"You can call these functions:\n{listing}\n{how}"
+    return f"You can call these functions:\n{listing}\n{tool_instructions(choice)}"
 
 
 def wire_call(name: str, arguments: str) -> str:

@@ -3,7 +3,8 @@ imports upward, no modules import each other in a cycle (imports inside function
 and drafters are constructed in build.py alone.
 
 Layers, lowest first; an import may point only to a lower layer or inside its own part:
-  0 core/   1 errors.py, hardware.py   2 kernels/   3 config.py, prompts.py, models/, gc_pauses.py, structured/   4 build.py
+  0 core/   1 errors.py, hardware.py   2 kernels/   3 config.py, prompts.py, token_bytes.py, models/, gc_pauses.py,
+    structured/   4 build.py
   5 commands/, serve/   6 fleet/   7 train/   8 bench/   9 cli.py
 """
 
@@ -20,7 +21,7 @@ LAYERS = {
     "core": 0,
     "errors": 1, "hardware": 1,
     "kernels": 2,
-    "config": 3, "prompts": 3, "models": 3, "gc_pauses": 3, "shm_buffers": 3, "structured": 3,
+    "config": 3, "prompts": 3, "token_bytes": 3, "models": 3, "gc_pauses": 3, "shm_buffers": 3, "structured": 3,
     "build": 4,
     "commands": 5, "serve": 5,
     "fleet": 6,

@@ -33,6 +33,9 @@ def test_generate_json_same_tokens_in_every_mode(tiny_llama_dir, tmp_path, capsy
         outs[mode] = [r["token_ids"] for r in rows]
         assert all([e["token_id"] for e in r["logprobs"]] == r["token_ids"] for r in rows)
         assert all(len(e["top"]) == 2 and e["logprob"] <= 0 for r in rows for e in r["logprobs"])
+        # each token's own bytes: together they are the output's UTF-8 (no token decoded alone)
+        assert all(r["text"] in bytes(b for e in r["logprobs"] for b in e["bytes"]).decode("utf-8", "replace")
+                   for r in rows)
         lps[mode] = [e["logprob"] for r in rows for e in r["logprobs"]]
     assert outs["ar"] == outs["s2d"] == outs["exit:1"]
     assert lps["s2d"] == pytest.approx(lps["ar"], abs=1e-4) and lps["exit:1"] == pytest.approx(lps["ar"], abs=1e-4)

@@ -77,25 +77,61 @@ def test_cached_prefixes_give_the_output_of_no_cache(target, kind, params):
         assert sorted_drafter(cached).prefix_cache_stats()["prefix_cache_hits"] >= 3 * SYSTEM
 
 
-def test_a_drafter_fork_copies_kv_and_kept_exit_states(target):
-    """The forked draft row holds what drafting the prompt itself computes, in every segment (lazy fill included)."""
+SHALLOW, DEEP = (0.0, 0.0, 0.0), (1.0, 1.0, 0.0)  # every token leaves at exit 1 / at the last exit
+
+
+@pytest.mark.parametrize("first,second", [(SHALLOW, DEEP), (DEEP, SHALLOW), (DEEP, DEEP)],
+                         ids=["lazy-fill-after-fork", "deep-entry-shallow-use", "deep"])
+def test_a_drafter_fork_copies_kv_and_kept_exit_states(target, first, second):
+    """The forked draft row holds what drafting the prompt itself computes, in every segment: a request that left
+    at exit 1 leaves only the first segment in the cache, and a later one that goes deeper fills the rest lazily
+    after the fork; its proposal (tokens and exits) equals the one without the cache."""
     draft = noisy_draft(target, num_layers=3, exits=[1, 2, 3], thresholds=[0.0, 0.0, 0.0])
     system = tokens(1, SYSTEM)
     cached = SortedDrafter(draft, prefix_cache=PrefixCacheSpec(max_tokens=4096))
     plain = SortedDrafter(draft)
+    props = []
     for d in (cached, plain):
-        d.propose([DraftRequest("a", system + [5, 6], 2, SamplingParams())])
+        d.propose([DraftRequest("a", system + [5, 6], 2, SamplingParams(), thresholds=first)])
         d.release("a")
-        d.propose([DraftRequest("b", system + [7, 8, 9], 3, SamplingParams())])
+        props.append(d.propose([DraftRequest("b", system + [7, 8, 9], 3, SamplingParams(), thresholds=second)])[0])
     st, ref = cached.table.states["b"], plain.table.states["b"]
     assert cached.prefix_cache_stats()["prefix_cache_hits"] >= SYSTEM
-    assert st.filled == ref.filled
-    for seg, n in enumerate(st.filled[:-1]):
+    assert (props[0].tokens, props[0].exits) == (props[1].tokens, props[1].exits)
+    assert set(props[0].exits) == ({3} if second == DEEP else {1})
+    # A deep cache entry may hold more than a shallow request computes itself; never less, and what both hold agrees.
+    assert all(c >= r for c, r in zip(st.filled, ref.filled)) and st.filled[0] == ref.filled[0]
+    filled = [min(c, r) for c, r in zip(st.filled, ref.filled)]
+    if second == DEEP:  # the deeper segments really hold the prompt: the comparison below is not of empty rows
+        assert min(filled) >= SYSTEM
+    for seg, n in enumerate(filled[:-1]):
         torch.testing.assert_close(cached.hidden.bufs[seg][st.row, :n], plain.hidden.bufs[seg][ref.row, :n],
                                    rtol=0, atol=1e-12)
-    n = min(st.filled)
-    for mine, other in zip(cached.cache.keys + cached.cache.values, plain.cache.keys + plain.cache.values):
+    for layer, (mine, other) in enumerate(zip(cached.cache.keys + cached.cache.values,
+                                              plain.cache.keys + plain.cache.values)):
+        n = filled[min(layer % len(cached.cache.keys), len(filled) - 1)]  # one layer per segment here
         torch.testing.assert_close(mine[st.row, :n], other[ref.row, :n], rtol=0, atol=1e-12)
+        assert n == 0 or bool(mine[st.row, :n].abs().sum() > 0)  # rows of real KV, not an empty or zero region
+
+
+def test_deeper_exits_accept_the_same_with_and_without_the_cache(target):
+    """An engine whose draft leaves at every exit (thresholds that split tokens between exits 1-3): with the prefix
+    cache, the output, the accepted-token counts and the exit histograms equal those without it. Control: the draft
+    really used its deeper exits."""
+    draft = noisy_draft(target, num_layers=3, exits=[1, 2, 3], thresholds=[0.6, 0.6, 0.0])
+    runs = {}
+    for name, cache in (("cached", PrefixCacheSpec(max_tokens=4096)), ("plain", None)):
+        eng = SpecEngine(TargetVerifier(target, prefix_cache=cache), SortedDrafter(draft, prefix_cache=cache),
+                         policy=FixedK(3))
+        runs[name] = run_one_by_one(eng, requests(SamplingParams()))
+        if cache is not None:
+            assert eng.drafter.prefix_cache_stats()["prefix_cache_hits"] >= 3 * SYSTEM
+    keys = ("num_accepted_draft_tokens", "num_draft_tokens", "exit_histogram", "accepted_exit_histogram")
+    for got, want in zip(runs["cached"], runs["plain"]):
+        assert got.token_ids == want.token_ids
+        assert {k: got.metrics[k] for k in keys} == {k: want.metrics[k] for k in keys}
+    exits = {e for r in runs["plain"] for e in r.metrics["exit_histogram"]}
+    assert {"2", "3"} & exits and sum(r.metrics["num_accepted_draft_tokens"] for r in runs["plain"]) > 0
 
 
 def test_a_cache_entry_for_another_prefix_is_caught(target):

@@ -1,8 +1,8 @@
 """Structured output: the grammar processor masks each row along its own branch (equal to a fresh matcher advanced
 over committed + branch, on SmolLM2's real tokenizer), and constrained greedy decoding is the same plain, with chains
 and with trees (+ lookup) on a tiny float64 model whose vocabulary is a real byte-level tokenizer; the output parses
-and validates. Negative control: a processor that masks every row with the committed tokens' mask (the wrong
-history) is caught. Bad grammars are RequestErrors naming their field."""
+and validates. Negative controls: a processor that masks every row with the committed tokens' mask (the wrong
+history), or that does not roll a rejected sibling back, is caught. Bad grammars are RequestErrors naming their field."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def fresh_mask(grammar, tokens: list[int], vocab: int, stop_ids: list[int]) -> t
     return torch.isfinite(proc(tokens, [[]], torch.zeros(1, vocab)))[0]
 
 
+def accepts(grammar, tokens: list[int]) -> bool:
+    matcher = grammar.matcher()
+    return matcher.try_consume_tokens(tokens) == len(tokens)
+
+
 def test_masks_along_branches_equal_a_fresh_matcher(smol_tok):
     grammar = compile_grammar(GrammarSpec.json_schema(SCHEMA), smol_tok)
     ids = smol_tok.encode(TEXT)
@@ -57,13 +62,18 @@ def test_masks_along_branches_equal_a_fresh_matcher(smol_tok):
     for cut in (0, 3, 7):  # committed grows between calls (the matcher advances lazily)
         committed = prompt + ids[:cut]
         rest = ids[cut:]
-        # a chain's prefixes, a sibling branch, and a branch the grammar rejects
-        branches = [rest[:j] for j in range(4)] + [rest[:1] + [smol_tok.encode("x")[0]], [smol_tok.encode("}")[0]]]
+        # a chain's prefixes, a sibling branch the grammar rejects (after its first token), a branch it rejects at
+        # once, then siblings after those rejections: each valid row equals a fresh matcher's mask
+        x, close = smol_tok.encode("x")[0], smol_tok.encode("}")[0]
+        branches = [rest[:j] for j in range(4)] + [rest[:1] + [x], [close], rest[:2], rest[:1], rest[:3]]
         out = proc(committed, branches, torch.zeros(len(branches), vocab))
-        for row, branch in enumerate(branches[:4]):
+        assert not accepts(grammar, ids[:cut] + branches[5])  # `}` is never right after these prefixes
+        for row, branch in enumerate(branches):
+            if not accepts(grammar, ids[:cut] + branch):
+                assert torch.isfinite(out[row]).nonzero().flatten().tolist() == [2], (cut, row)  # rejected: stops
+                continue
             expected = fresh_mask(grammar, ids[:cut] + branch, vocab, [2])
             assert torch.equal(torch.isfinite(out[row]), expected), (cut, row)
-        assert torch.isfinite(out[4]).sum() >= 1 and torch.isfinite(out).any(-1).all()  # rejected: finite, stops
     full = proc(prompt + ids, [[]], torch.zeros(1, vocab))
     assert torch.isfinite(full[0]).nonzero().flatten().tolist() == [2]  # complete: only the stop token
 
@@ -75,6 +85,21 @@ def test_negative_control_masks_without_the_branch_differ(smol_tok):
     out = proc(ids[:2], [[], ids[2:4]], torch.zeros(2, len(smol_tok)))
     wrong = proc(ids[:2], [[], []], torch.zeros(2, len(smol_tok)))  # row 1 with the committed tokens' history
     assert not torch.equal(torch.isfinite(out[1]), torch.isfinite(wrong[1]))
+
+
+class NoRollback(GrammarProcessor):
+    """Wrong rule: a sibling's branch is consumed on top of the previous one's (no rollback between rows)."""
+
+    def _rollback(self, n, kept):
+        pass
+
+
+def test_negative_control_rows_after_a_rejected_sibling_need_the_rollback(smol_tok):
+    grammar = compile_grammar(GrammarSpec.json_schema(SCHEMA), smol_tok)
+    ids = smol_tok.encode(TEXT)
+    branches = [ids[:2], ids[:1] + smol_tok.encode("x")[:1], ids[:2]]  # the last row comes after a rejected sibling
+    out = NoRollback(grammar, 0, [2])([], branches, torch.zeros(3, len(smol_tok)))
+    assert not torch.equal(torch.isfinite(out[2]), fresh_mask(grammar, ids[:2], len(smol_tok), [2]))
 
 
 class RootMaskOnly(GrammarProcessor):
