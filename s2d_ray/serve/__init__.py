@@ -47,6 +47,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     # A removed router replica lets its streams finish (they end by the request timeout anyway): Serve's default
     # 20 s would cut long streams during a scale-down or redeploy.
     router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)
-    # one aggregation point for /metrics across router replicas; no CPU reserved (a dict sum once a second per router)
-    hub = MetricsHubDeployment.options(**cfg.deployment_options({"ray_actor_options": {"num_cpus": 0}})).bind()
+    # one aggregation point for /metrics across router replicas; no CPU reserved (a dict sum once a second per router),
+    # on the routers' kind of node (their custom resources, a sliver of each)
+    hub_actor = {"num_cpus": 0, "resources": {k: min(v, 0.01) for k, v in cfg.router.resources.items()}}
+    hub = MetricsHubDeployment.options(**cfg.deployment_options({"ray_actor_options": hub_actor})).bind()
     return Router.options(name="router", **router).bind(cfg, draft, targets, hub)

@@ -142,8 +142,8 @@ def check_exact(streams: list[Stream], at_kill: list[int], reference: Reference)
 
 def test_placement_follows_the_configs_resources_and_outputs_are_exact(local_cluster, app, reference):
     placed = replicas_by_node(local_cluster, "cluster")
-    assert set(placed) == {"router", "draft", f"target-{MODEL}"}
-    assert placed["router"] == ["head"]
+    assert set(placed) == {"router", "metrics", "draft", f"target-{MODEL}"}
+    assert placed["router"] == ["head"] and placed["metrics"] == ["head"]  # the hub follows the routers' resources
     assert placed["draft"] in (["small-0"], ["small-1"]), placed  # either node of the draft's type
     assert placed[f"target-{MODEL}"] in (["large-0"], ["large-1"]), placed
     drafted = metric(app, f'vllm:spec_decode_num_accepted_tokens_total{{model="{MODEL}"}}')
