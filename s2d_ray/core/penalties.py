@@ -114,6 +114,9 @@ class RepetitionPenalty:
                  logits: torch.Tensor) -> torch.Tensor:  # logits: [n, V]
         seen = token_counts(committed, branches, 0, logits.shape[-1], logits.device, torch.float32) > 0
         scaled = torch.where(logits > 0, logits / self.penalty, logits * self.penalty)
+        # A tiny penalty overflows a positive logit to +inf, and a softmax over +inf is NaN: keep it finite, with room
+        # for the smallest sampled temperature (1e-5) to divide it again.
+        scaled = scaled.clamp(max=torch.finfo(logits.dtype).max * 1e-6)
         return torch.where(seen, scaled, logits)
 
 
