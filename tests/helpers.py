@@ -170,33 +170,17 @@ def write_tiny_gguf(path: Path, vocab_size: int = TINY_VOCAB_SIZE, num_layers: i
     return Path(path)
 
 
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def save_random_lora(base, path: Path, seed: int, r: int = 4, modules=LLAMA_PROJECTIONS, rslora: bool = False,
+def save_random_lora(base, path: Path, seed: int, r: int = 4, modules=None, rslora: bool = False,
                      scale: float = 0.3) -> Path:
     """A random peft LoRA of `base` saved with save_pretrained (B non-zero, so it changes the output); `base` is
-    left as it was."""
-    import copy
+    left as it was (the benchmark's maker, s2d_ray/bench/lora.py)."""
+    from s2d_ray.bench.lora import LLAMA_PROJECTIONS, random_adapter
 
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(modules), init_lora_weights=False,
-                     use_rslora=rslora, lora_dropout=0.0)
-    peft = get_peft_model(copy.deepcopy(base), cfg)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * scale)
-    peft.save_pretrained(str(path))
-    return path
+    return random_adapter(base, path, seed, r, scale, modules or LLAMA_PROJECTIONS, rslora)
 
 
 def merge_lora(base, path: Path):
     """`base` with the adapter at `path` merged into its weights (peft merge_and_unload), on a copy."""
-    import copy
+    from s2d_ray.bench.lora import merged_model
 
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(copy.deepcopy(base), str(path)).merge_and_unload().eval()
+    return merged_model(base, path)

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [encode_prompt(tok, PROMPTS[i % len(PROMPTS)], chat=True) for i in range(args.requests)]
     most = max(args.adapters)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [_random_adapter(model, Path(tmp) / f"a{i}", i, args.rank, args.scale) for i in range(most)]
+        paths = [random_adapter(model, Path(tmp) / f"a{i}", i, args.rank, args.scale) for i in range(most)]
         report = {"target": args.target, "draft": args.draft, "rank": args.rank, "requests": args.requests,
                   "max_new_tokens": args.max_new_tokens, "memory": memory(model, paths, args.adapters),
                   "throughput": []}
@@ -82,13 +82,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _random_adapter(model, path: Path, seed: int, rank: int, scale: float) -> Path:
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapter(model, path: Path, seed: int, rank: int, scale: float, modules=LLAMA_PROJECTIONS,
+                   rslora: bool = False) -> Path:
+    """A seeded random peft LoRA of `model` saved at `path` (both factors random, so it changes the output); `model`
+    is left as it was."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, lora_dropout=0.0,
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                     target_modules=list(modules), use_rslora=rslora)
     peft = get_peft_model(copy.deepcopy(model), cfg)
     with torch.no_grad():
         for name, p in peft.named_parameters():
@@ -98,7 +104,8 @@ def _random_adapter(model, path: Path, seed: int, rank: int, scale: float) -> Pa
     return path
 
 
-def _merged(model, path: Path):
+def merged_model(model, path: Path):
+    """`model` with the adapter at `path` merged into its weights (peft merge_and_unload), on a copy."""
     from peft import PeftModel
 
     return PeftModel.from_pretrained(copy.deepcopy(model), str(path)).merge_and_unload().eval()
@@ -159,7 +166,7 @@ def throughput(args, method: str, loaded, paths: list[Path], prompts: list[list[
     lora_out = {r.seq_id: r.token_ids for r in one.generate(reqs)}
     lora_s = time.perf_counter() - start
 
-    merged = {name: engine(build_verifier(_merged(model, path), cfg)) for name, path in zip(names, paths)}
+    merged = {name: engine(build_verifier(merged_model(model, path), cfg)) for name, path in zip(names, paths)}
     for e in merged.values():
         e.generate([GenerationRequest("warm", prompts[0], 8)])
     start = time.perf_counter()
