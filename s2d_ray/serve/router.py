@@ -428,7 +428,8 @@ class Router:
         carries usage and the engine's metrics."""
         info = self._info(req.model)
         self.pusher.start()
-        check_request_limits(req, self.cfg.limits)
+        if group is None:  # a handle call; an HTTP request was checked once before its choices were made
+            check_request_limits(req, self.cfg.limits)
         base, _ = self.adapters.target(req.model)  # an adapter's rows decode on its base's engine
         sched = self.schedulers[base]
         arrival, first_token = time.perf_counter(), None
