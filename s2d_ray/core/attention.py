@@ -4,8 +4,9 @@ The queries of each KV head's group are stacked so keys and values are never rep
 float32 (float64 stays float64) with the additive mask. On CPUs with native bf16 this is several times faster than
 torch's SDPA for decode rows, token trees and prompts (see BENCHMARKS.md); on some AVX2 CPUs in float32 SDPA is the
 faster innermost kernel. So the layers keep everything around it here (row groups, cache runs, query blocks) and a
-backend (s2d_ray/kernels/) routes them here and chooses the innermost kernel per machine (`sdpa=`). CUDA keeps SDPA
-(its fused kernels are the fast path there).
+backend (s2d_ray/kernels/) routes them here, chooses the innermost kernel per machine (`sdpa=`) and gives the sizes
+the path runs by (`tuning`, core/kernels.py `GroupedTuning`). CUDA keeps SDPA (its fused kernels are the fast path
+there).
 """
 
 from __future__ import annotations
@@ -13,16 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Up to this many stacked queries per KV head, scores are computed as K @ Q^T: BLAS reads the cache's K view (row
-# stride kv_heads x head_dim) as it is, where Q @ K^T makes torch copy every row's K first; with more queries the
-# copy is shared by enough of them that Q @ K^T wins again.
-KEY_LEFT_MAX = 24
-# What one more attention group costs, in row-slots read (plan_kv_groups): a group adds a few small ops a layer, which
-# cost about as much as copying and multiplying this many row-slots of K/V.
-GROUP_OVERHEAD_SLOTS = 1024
-# Queries per block of a prompt pass (_attend_blocks): one block's float32 scores stay in a 2 MB L2 cache, where a
-# whole pass's scores fall out of cache on every elementwise pass over them.
-QUERY_BLOCK = 128
+from .kernels import GroupedTuning
 
 
 def grouped_attention(
@@ -37,6 +29,8 @@ def grouped_attention(
     kv_runs: list[tuple[int, int, int, int]] | None = None,
     sdpa: bool = False,
     per_query=None,
+    *,
+    tuning: GroupedTuning,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [b, h, q, d], key/value [b, kvh, k, d], mask additive or bool, broadcastable to [b, h, q, k] (None:
@@ -50,6 +44,8 @@ def grouped_attention(
 
     sdpa: the innermost attention runs as torch's SDPA instead of the grouped matmuls (a backend's choice).
 
+    tuning: the sizes the path runs by (a backend's choice; the result is the same up to rounding).
+
     per_query: a backend's kernel in which each query row attends alone, bit-identical to a decode step's row
     (kernels/deterministic.py); it takes (query, key, value, mask, scale, kv_runs)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -60,10 +56,10 @@ def grouped_attention(
         out = query.new_empty(b, q, h, d)
         for qa, qb, ka, kb in kv_runs:
             mask = attention_mask if attention_mask is None or attention_mask.shape[0] == 1 else attention_mask[qa:qb]
-            out[qa:qb] = _attend_blocks(query[qa:qb], key[ka:kb], value[ka:kb], mask, scale, sdpa)
+            out[qa:qb] = _attend_blocks(query[qa:qb], key[ka:kb], value[ka:kb], mask, scale, sdpa, tuning)
         return out, None
     if kv_groups is None or attention_mask is None:
-        return _attend_blocks(query, key, value, attention_mask, scale, sdpa), None
+        return _attend_blocks(query, key, value, attention_mask, scale, sdpa, tuning), None
     b, h, q, d = query.shape
     out = query.new_empty(b, q, h, d)
     key_rows = None
@@ -74,33 +70,38 @@ def grouped_attention(
         krows = rows if key_rows is None else key_rows.index_select(0, rows)
         # index_select, not key[rows]: it copies a strided view several times faster than advanced indexing
         out[rows] = _attend_blocks(query.index_select(0, rows), key[:, :, :length].index_select(0, krows),
-                                   value[:, :, :length].index_select(0, krows), mask[..., :length], scale, sdpa)
+                                   value[:, :, :length].index_select(0, krows), mask[..., :length], scale, sdpa,
+                                   tuning)
     return out, None
 
 
 def _attend_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                   scale: float, sdpa: bool = False) -> torch.Tensor:
-    """Many queries (a prompt pass) in blocks of QUERY_BLOCK, each over keys up to the last one its mask allows: the
-    float32 scores of a whole long pass fall out of cache on every elementwise pass, and a causal block never needs
-    the keys after its last position. Masked keys weigh exactly 0 either way."""
-    q = query.shape[2]
-    if attention_mask is None or q <= QUERY_BLOCK:
-        return attend(query, key, value, attention_mask, scale, sdpa)
+                   scale: float, sdpa: bool, tuning: GroupedTuning) -> torch.Tensor:
+    """Many queries (a prompt pass) in blocks of `tuning.query_block`, each over keys up to the last one its mask
+    allows: the float32 scores of a whole long pass fall out of cache on every elementwise pass, and a causal block
+    never needs the keys after its last position. Masked keys weigh exactly 0 either way."""
+    q, block_size = query.shape[2], tuning.query_block
+    if attention_mask is None or q <= block_size:
+        return attend(query, key, value, attention_mask, scale, sdpa, tuning.key_left_max)
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(
         attention_mask.dtype).min
     parts = []
-    for lo in range(0, q, QUERY_BLOCK):
-        hi = min(q, lo + QUERY_BLOCK)
+    for lo in range(0, q, block_size):
+        hi = min(q, lo + block_size)
         block = allowed[..., lo:hi, :] if allowed.shape[-2] == q else allowed
         cols = block.reshape(-1, block.shape[-1]).any(0).nonzero()
         k = int(cols.max()) + 1 if cols.numel() else key.shape[2]
         mask = attention_mask[..., lo:hi, :k] if attention_mask.shape[-2] == q else attention_mask[..., :k]
-        parts.append(attend(query[:, :, lo:hi], key[:, :, :k], value[:, :, :k], mask, scale, sdpa))
+        parts.append(attend(query[:, :, lo:hi], key[:, :, :k], value[:, :, :k], mask, scale, sdpa,
+                            tuning.key_left_max))
     return torch.cat(parts, dim=1)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-            scale: float, sdpa: bool = False) -> torch.Tensor:
+           scale: float, sdpa: bool, key_left_max: int) -> torch.Tensor:
+    """One block of queries over its keys: torch's SDPA, or the grouped matmuls with keys as the left operand up to
+    `key_left_max` stacked queries per KV head (BLAS then reads the cache's strided K view as it is, where Q @ K^T
+    makes torch copy every row's K first; with more queries that copy is shared by enough of them)."""
     b, h, q, d = query.shape
     kvh, k = key.shape[1], key.shape[2]
     if sdpa:
@@ -114,7 +115,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attentio
     g = h // kvh
     acc = torch.promote_types(query.dtype, torch.float32)
     stacked = query.reshape(b, kvh, g * q, d)
-    if g * q <= KEY_LEFT_MAX:  # keys as the left operand: a cheaper matmul over the cache's strided view
+    if g * q <= key_left_max:  # keys as the left operand: a cheaper matmul over the cache's strided view
         scores = torch.matmul(key, stacked.transpose(-1, -2)).transpose(-1, -2)
     else:
         scores = torch.matmul(stacked, key.transpose(-1, -2))
@@ -139,12 +140,11 @@ def causal(q: int, k: int, device: torch.device) -> torch.Tensor:
     return torch.ones(q, k, dtype=torch.bool, device=device).tril(k - q)
 
 
-def plan_kv_groups(lengths: list[int], overhead: int | None = None) -> list[list[int]] | None:
+def plan_kv_groups(lengths: list[int], overhead: int) -> list[list[int]] | None:
     """Rows (indices into `lengths`, each row's visible slots) split into groups that attend apart, by a cost of
     `overhead` + rows x longest length per group, minimised over splits of the rows sorted by length (exact, n^2);
     None when one group is cheapest. Every slot a row's attention reads is copied once before its matmul (torch's
     batched matmul copies strided views), so padding short rows to a long one costs what their extra slots cost."""
-    overhead = GROUP_OVERHEAD_SLOTS if overhead is None else overhead
     n = len(lengths)
     if n < 2:
         return None

@@ -44,6 +44,20 @@ def attention_case(rows: int, queries: int) -> str:
 
 
 @dataclass(frozen=True)
+class GroupedTuning:
+    """The sizes core/attention.py's grouped path runs by, which depend on the machine and are a backend's choice
+    (the numbers are the same either way; only their speed differs).
+
+    key_left_max: up to this many stacked queries per KV head, scores are computed as K @ Q^T (else Q @ K^T).
+    group_overhead_slots: what one more attention group costs, in row-slots read (`plan_kv_groups`).
+    query_block: queries per block of a prompt pass (`_attend_blocks`)."""
+
+    key_left_max: int
+    group_overhead_slots: int
+    query_block: int
+
+
+@dataclass(frozen=True)
 class AttentionKernel:
     """How a stack's layers attend once the backend has routed them.
 
@@ -51,11 +65,17 @@ class AttentionKernel:
     False: the model's own attention with a mask per head. sdpa: the kinds of pass (ATTENTION_CASES) whose innermost
     grouped_attention kernel is torch's SDPA instead of grouped matmuls. per_query: the backend's kernel in which every
     query row attends alone over exactly the keys it sees, in the call a one-token decode step makes, so its output
-    never depends on the other rows, the pass's width or a token tree's shape (`row_invariant`)."""
+    never depends on the other rows, the pass's width or a token tree's shape (`row_invariant`). tuning: the
+    grouped path's sizes (required when grouped)."""
 
     grouped: bool = False
     sdpa: frozenset[str] = frozenset()
     per_query: Callable | None = None  # (query, key, value, mask, scale, kv_runs) -> out: each query row alone
+    tuning: GroupedTuning | None = None
+
+    def __post_init__(self) -> None:
+        if self.grouped and self.tuning is None:
+            raise ValueError("a grouped AttentionKernel needs the backend's GroupedTuning")
 
     @property
     def row_invariant(self) -> bool:

@@ -56,6 +56,7 @@ class LayerStack(nn.Module):
                                                                   self.dtype, self.device))
         self.grouped, self.sdpa_cases = attention.grouped, attention.sdpa
         self.per_query = attention.per_query  # each query row alone, as a decode step computes it
+        self.tuning = attention.tuning  # the grouped path's sizes (the backend's)
         self.row_invariant = attention.row_invariant
         self.cache_kwarg = cache_kwarg(self.layers[0]) if len(self.layers) else "cache"
         self.graphs = None  # SegmentGraphs once use_graphs() is called (CUDA graphs by shape bucket)
@@ -155,7 +156,7 @@ class LayerStack(nn.Module):
         else:
             mask = slot_mask(positions, kv_len, x.dtype)
         groups = None
-        if self.grouped and (plan := plan_kv_groups(lengths)) is not None:
+        if self.grouped and (plan := plan_kv_groups(lengths, self.tuning.group_overhead_slots)) is not None:
             groups = [(torch.tensor(g, device=x.device), max(lengths[i] for i in g)) for g in plan]
         with self.passes.run(seg, positions.numel()):
             return self.run_layers(seg, x, mask, positions if rope_positions is None else rope_positions, cache,
@@ -190,6 +191,8 @@ class LayerStack(nn.Module):
             extra["sdpa"] = True
         if self.per_query is not None:
             extra["per_query"] = self.per_query
+        if self.grouped:
+            extra["tuning"] = self.tuning
         for layer in self.layers[lo:hi]:
             out = layer(x, attention_mask=mask, position_ids=rope, position_embeddings=cos_sin, **extra)
             x = out[0] if isinstance(out, tuple) else out

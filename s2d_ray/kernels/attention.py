@@ -20,19 +20,30 @@ from torch import nn
 
 from ..core import attention as core_attention
 from ..core.cache import additive_mask
+from ..core.kernels import GroupedTuning
 from .timing_store import TimingStore, least_times
 
 GROUPED = "s2d_grouped"  # the attention implementation name Hugging Face layers are routed to
+# The grouped path's sizes on the CPU:
+# - key_left_max: up to 24 stacked queries per KV head, K @ Q^T (BLAS reads the cache's K view, row stride kv_heads x
+#   head_dim, as it is, where Q @ K^T makes torch copy every row's K first; with more queries the copy is shared by
+#   enough of them that Q @ K^T wins again);
+# - group_overhead_slots: one more attention group adds a few small ops a layer, which cost about as much as copying
+#   and multiplying 1024 row-slots of K/V;
+# - query_block: one block of 128 queries keeps its float32 scores in a 2 MB L2 cache, where a whole prompt pass's
+#   scores fall out of cache on every elementwise pass over them.
+CPU_GROUPED = GroupedTuning(key_left_max=24, group_overhead_slots=1024, query_block=128)
 SDPA_MIN_GAIN = 0.75  # SDPA must take at most this share of the grouped time: a close call keeps the grouped kernel
 
 
 @functools.lru_cache(maxsize=None)
 def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               store: TimingStore | None = None, slots: int = 256, repeats: int = 12) -> frozenset[str]:
+               store: TimingStore | None = None, slots: int = 256, repeats: int = 12,
+               tuning: GroupedTuning = CPU_GROUPED) -> frozenset[str]:
     """The kinds of pass (core/kernels.py ATTENTION_CASES) where torch's SDPA beats the grouped matmuls on this CPU
-    for these heads and dtype (measured once per process, shape and store): one row decoding, a 16-node tree, a
-    128-position block of a prompt, and 8 rows decoding over `slots` cached slots, with the additive masks the slot
-    cache builds, alternated, best of `repeats` each. SDPA must win by a quarter: a host where the two are close
+    for these heads and dtype (measured once per process, shape and store): one row decoding, a 16-node tree, one
+    `tuning.query_block` block of a prompt, and 8 rows decoding over `slots` cached slots, with the additive masks the
+    slot cache builds, alternated, best of `repeats` each. SDPA must win by a quarter: a host where the two are close
     keeps the grouped kernel every time instead of flipping between loads."""
     def case(rows: int, q: int) -> tuple:
         qry = torch.randn(rows, num_heads, q, head_dim).to(dtype)
@@ -41,7 +52,7 @@ def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
         mask = additive_mask(core_attention.causal(q, slots, qry.device).expand(rows, q, slots), dtype)
         return qry, key, value, mask
 
-    cases = {"decode": case(1, 1), "tree": case(1, 16), "prompt": case(1, core_attention.QUERY_BLOCK),
+    cases = {"decode": case(1, 1), "tree": case(1, 16), "prompt": case(1, tuning.query_block),
              "batch": case(8, 1)}
     best = {name: {False: float("inf"), True: float("inf")} for name in cases}
     with torch.no_grad():
@@ -49,7 +60,7 @@ def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
             for kernel in (False, True):
                 for name, (qry, key, value, mask) in cases.items():
                     t0 = time.perf_counter()
-                    core_attention.attend(qry, key, value, mask, head_dim ** -0.5, kernel)
+                    core_attention.attend(qry, key, value, mask, head_dim ** -0.5, kernel, tuning.key_left_max)
                     best[name][kernel] = min(best[name][kernel], time.perf_counter() - t0)
     chosen = set()
     for name in cases:
@@ -60,12 +71,17 @@ def sdpa_cases(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dt
     return frozenset(chosen)
 
 
+def cpu_grouped_attention(*args, tuning: GroupedTuning = CPU_GROUPED, **kwargs):
+    """`grouped_attention` with the CPU's sizes unless a stack passes its own (a model's own forward passes none)."""
+    return core_attention.grouped_attention(*args, tuning=tuning, **kwargs)
+
+
 def register() -> None:
     """Make `GROUPED` an attention implementation Hugging Face layers (and their own mask builder) accept."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(GROUPED, core_attention.grouped_attention)
+    AttentionInterface.register(GROUPED, cpu_grouped_attention)
     AttentionMaskInterface.register(GROUPED, sdpa_mask)
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.kernels import ATTENTION_CASES, AttentionKernel, AttentionShape, PassRunner, PlainPasses
+from ..core.kernels import ATTENTION_CASES, AttentionKernel, AttentionShape, GroupedTuning, PassRunner, PlainPasses
 from ..errors import ConfigError
-from .attention import sdpa_cases, use_grouped
+from .attention import CPU_GROUPED, sdpa_cases, use_grouped
 from .linear import (
     PackedLinear, one_row_is_faster, one_row_supported, packed, packed_is_faster, supported, with_packed_linears,
 )
@@ -39,7 +39,7 @@ class CpuKernels:
     process's alone); `wide_threads`: intra-op threads for wide passes (None: the thread's own count);
     `adaptive_threads`: each stack's passes run on the thread count measured fastest for them (AdaptiveThreads),
     cued by a reader of the machine's idle cores that `idle_cores` makes per stack (hardware.IdleCores.here);
-    False: the counts as configured."""
+    False: the counts as configured. `tuning`: the grouped attention path's sizes (`CPU_GROUPED`)."""
 
     linear: str = "auto"
     attention_kernel: str = "auto"
@@ -47,6 +47,7 @@ class CpuKernels:
     wide_threads: int | None = None
     adaptive_threads: bool = False
     idle_cores: Callable[[], Callable[[], float] | None] | None = None
+    tuning: GroupedTuning = CPU_GROUPED
 
     def __post_init__(self) -> None:
         if self.linear not in LINEAR_KERNELS:
@@ -77,10 +78,11 @@ class CpuKernels:
             return AttentionKernel()
         use_grouped(layers)
         if self.attention_kernel == "auto":
-            sdpa = sdpa_cases(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, self.times)
+            sdpa = sdpa_cases(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype, self.times,
+                              tuning=self.tuning)
         else:
             sdpa = frozenset(ATTENTION_CASES if self.attention_kernel == "sdpa" else ())
-        return AttentionKernel(grouped=True, sdpa=sdpa)
+        return AttentionKernel(grouped=True, sdpa=sdpa, tuning=self.tuning)
 
     def projections(self, module: nn.Module) -> nn.Module:
         if self.linear == "stock":

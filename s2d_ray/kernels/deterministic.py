@@ -31,7 +31,7 @@ from torch import nn
 
 from ..core.attention import causal
 from ..core.kernels import AttentionKernel, AttentionShape, PassRunner, PlainPasses
-from .attention import use_grouped
+from .attention import CPU_GROUPED, use_grouped
 from .linear import _packed_linear, supported, with_linears
 from .threads import FixedPasses, intra_op_threads
 
@@ -92,7 +92,7 @@ class DeterministicKernels:
 
     def attention(self, layers: nn.ModuleList, shape: AttentionShape) -> AttentionKernel:
         use_grouped(layers)
-        return AttentionKernel(grouped=True, per_query=per_query_attention)
+        return AttentionKernel(grouped=True, per_query=per_query_attention, tuning=CPU_GROUPED)
 
     def projections(self, module: nn.Module) -> nn.Module:
         return with_linears(module, lambda linear: RowChunkedLinear(linear.weight, linear.bias))

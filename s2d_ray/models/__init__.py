@@ -1,5 +1,7 @@
-"""Model sources and loading: named sources (PyPI wheels, LoRA merges), HF directories, GGUF files, hub ids; sorted
-drafts on disk (drafts.py); KV capacity from memory (capacity.py); tensor-parallel shards (shards.py).
+"""Model sources and loading: named sources (PyPI wheels, LoRA merges), HF directories, GGUF files, hub ids, by
+their names (source_names.py), built once into the cache (conversions.py, model_cache.py) and resolved to a directory
+(sources.py); sorted drafts on disk (drafts.py); KV capacity from memory (capacity.py); tensor-parallel shards
+(shards.py).
 
 Only a hub id contacts the hub, and not with HF_HUB_OFFLINE=1 (the operator's switch); every load reads a local
 directory (local_files_only=True).
@@ -7,15 +9,9 @@ directory (local_files_only=True).
 
 from s2d_ray.models.drafts import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft, save_draft
 from s2d_ray.models.loader import LoadedModel, check_same_vocabulary, load_model
-from s2d_ray.models.sources import (
-    NAMED_SOURCES,
-    NamedSource,
-    canonical_source,
-    default_cache_dir,
-    register_source,
-    resolve_model_dir,
-    sha256_file,
-)
+from s2d_ray.models.model_cache import default_cache_dir, sha256_file
+from s2d_ray.models.source_names import NAMED_SOURCES, NamedSource, canonical_source, register_source
+from s2d_ray.models.sources import resolve_model_dir
 
 __all__ = [
     "DRAFT_CONFIG",

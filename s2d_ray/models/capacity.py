@@ -115,7 +115,8 @@ def read_model_config(source: str, cache_dir: str | None = None, resolve: bool =
     import json
     from pathlib import Path
 
-    from .sources import canonical_source, classify_source, resolve_model_dir
+    from .source_names import canonical_source, classify_source
+    from .sources import resolve_model_dir
 
     try:
         if resolve:

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from s2d_ray.errors import ConfigError, ModelLoadError, TokenizerMismatchError
 from s2d_ray.models.random_init import build_random, is_random_init
-from s2d_ray.models.sources import NAMED_SOURCES, _looks_like_path, canonical_source, resolve_model_dir
+from s2d_ray.models.source_names import NAMED_SOURCES, canonical_source, looks_like_path
+from s2d_ray.models.sources import resolve_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _canonical_allowed(entry: str) -> str:
     if text in NAMED_SOURCES:
         return text
     path = Path(text).expanduser()
-    if _looks_like_path(text) or path.exists():
+    if looks_like_path(text) or path.exists():
         return str(path.resolve())
     return text
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .app_config import AppConfig, DraftDeploymentConfig, Limits, RouterOptions, TargetSpec
+from .app_config import AppConfig, DraftDeploymentConfig, Limits, TargetSpec
+from .deployment_options import RouterOptions
 
 if TYPE_CHECKING:
     from ray.serve import Application

@@ -1,108 +1,30 @@
 """The serving configuration: which targets, the one shared draft, limits and access, as one validated pydantic model.
 
 `build_app(args)` validates `args` (the `args:` block of a Serve YAML) with `AppConfig.model_validate`, so every
-mistake is reported at `serve run` / `serve deploy` time, naming the field.
+mistake is reported at `serve run` / `serve deploy` time, naming the field. Each deployment's Serve options are
+serve/deployment_options.py's; what fits in a replica's memory (KV rows from the model files and the host's RAM or the
+device's memory) is serve/sizing.py's, mixed into `TargetSpec` and `AppConfig` and checked when the app validates.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from ..config import (
     DEFAULT_TARGET, DETERMINISTIC_HELP, KERNEL_TIMES_HELP, LINEAR_KERNEL_HELP, DraftConfig, DType, EngineConfig,
-    LinearKernel, SpecConfig, TargetConfig, PrefixCacheConfig, SuffixConfig, context_window,
+    LinearKernel, SpecConfig, TargetConfig, PrefixCacheConfig, SuffixConfig,
 )
 from ..hardware import resolve_dtype
-from ..models.capacity import (
-    GIB, Capacity, ModelShape, check_prefix_budget, host_memory_bytes, kv_capacity, read_model_config,
+from .deployment_options import (
+    IN_LOOP_ENV, SERVE_TARGET_ONGOING, BatchOptions, DeploymentOptions, RouterOptions, StrictModel, router_ceiling,
 )
-from .affinity import PrefixRoutingConfig
 from .lora_config import LoraTargetConfig
+from .sizing import AppSizing, TargetSizing
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DeploymentOptions(_Strict):
-    """The Ray Serve options of one deployment (a subset of Serve's, with defaults that fit a 2-core machine)."""
-
-    num_replicas: int | None = Field(1, ge=1, description="Fixed replica count; leave unset when autoscaling.")
-    autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Serve autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...)."
-    )
-    num_cpus: float = Field(0.5, ge=0, description="Logical CPUs reserved for each replica actor.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved for each replica actor.")
-    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per replica.")
-    ray_actor_options: dict[str, Any] = Field(
-        default_factory=dict, description="Further ray_actor_options (runtime_env, memory, ...) merged over ours."
-    )
-    max_ongoing_requests: int = Field(256, ge=1, description="Concurrent calls one replica accepts.")
-    health_check_period_s: float = Field(10.0, gt=0, description="Seconds between check_health calls.")
-    health_check_timeout_s: float = Field(30.0, gt=0, description="A check_health slower than this fails.")
-    graceful_shutdown_timeout_s: float | None = Field(
-        None, gt=0, description="How long a replica being removed (scale-down, redeploy) keeps serving its calls; "
-        "unset: Serve's default (20 s), except the router, which waits up to limits.request_timeout_s so that "
-        "streams in flight finish instead of being cut.")
-
-    @model_validator(mode="after")
-    def _replicas_or_autoscaling(self) -> "DeploymentOptions":
-        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
-            raise ValueError("give either num_replicas or autoscaling_config, not both")
-        return self
-
-    @property
-    def device(self) -> str:
-        """Where the replica's model runs: "cuda" when it reserves GPUs, through num_gpus or
-        ray_actor_options.num_gpus (what `dtype: auto` is resolved for)."""
-        return "cuda" if (self.actor_options().get("num_gpus") or 0) > 0 else "cpu"
-
-    def actor_options(self) -> dict[str, Any]:
-        opts: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.resources:
-            opts["resources"] = dict(self.resources)
-        opts.update(self.ray_actor_options)
-        return opts
-
-    def serve_options(self) -> dict[str, Any]:
-        """Keyword arguments for `Deployment.options`."""
-        opts: dict[str, Any] = {
-            "ray_actor_options": self.actor_options(),
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "health_check_period_s": self.health_check_period_s,
-            "health_check_timeout_s": self.health_check_timeout_s,
-        }
-        if self.graceful_shutdown_timeout_s is not None:
-            opts["graceful_shutdown_timeout_s"] = self.graceful_shutdown_timeout_s
-        if self.autoscaling_config is not None:
-            opts["autoscaling_config"] = dict(self.autoscaling_config)
-        else:
-            opts["num_replicas"] = self.num_replicas
-        return opts
-
-
-class BatchOptions(_Strict):
-    """How concurrent calls merge into one forward (`@serve.batch`)."""
-
-    max_batch_size: int = Field(16, ge=1, description="Most calls merged into one forward.")
-    batch_wait_timeout_s: float = Field(
-        0.0, ge=0, description="How long the first call of a batch waits for others. A router sends ONE call per "
-        "round with all its sequences, so only other routers' calls could merge, and calls that queue while a forward "
-        "runs merge anyway: at low concurrency a wait only adds its length to every round."
-    )
-    max_live_sequences: int = Field(
-        32, ge=1, description="Sequences whose KV one replica keeps (cache rows); in an app, unset means 32 or, "
-        "where more, as many as a router decodes together (a target's max_concurrent_sequences; for the draft, their "
-        "sum over the targets); rows beyond the live sequences keep finished ones' prefixes (prefix_cache). "
-        "Past it the least recently used sequence's row is reclaimed (it recomputes if it returns) and larger forwards "
-        "are split, so a router decodes at most this many of a target's sequences together (the rest queue); with "
-        "the context this bounds replica memory (docs/SERVING.md, 'Memory per replica')."
-    )
-
-
-class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
+class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions, TargetSizing):
     """One target deployment: the model (TargetConfig), its Serve options and tensor parallelism."""
 
     tp_size: int = Field(1, ge=1, le=64, description="DeepSpeed AutoTP ranks (Ray actors in the replica's group).")
@@ -192,22 +114,6 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions):
         gpus = self.tp_worker_gpus if self.tp_size > 1 else self.actor_options().get("num_gpus", 0)
         return "cuda" if (gpus or 0) > 0 else "cpu"
 
-    def memory_bytes(self) -> int | None:
-        """The memory `memory_fraction` takes a share of, where known before the replica starts."""
-        if self.device_memory_gib is not None:
-            return int(self.device_memory_gib * GIB)
-        return host_memory_bytes() if self.device == "cpu" else None
-
-    def capacity(self, config: dict[str, Any], max_slots: int, memory_bytes: int, weight_bytes: int | None = None,
-                 ) -> Capacity:
-        """KV rows of `max_slots` positions this target's replica (each rank) holds in its memory budget; the
-        weights estimated from the model's shapes unless measured (`weight_bytes`)."""
-        shape, dtype = ModelShape.from_config(config), resolve_dtype(self.dtype, self.device)
-        weights = weight_bytes if weight_bytes is not None else shape.weight_bytes(dtype, self.tp_size)
-        return kv_capacity(int(memory_bytes * (self.memory_fraction or 1.0)), weights,
-                           shape.kv_bytes_per_token(dtype, self.tp_size), max_slots, self.max_live_sequences,
-                           f"target {self.name}")
-
     def placement_group(self) -> dict[str, Any]:
         """Placement group options for a TP replica: bundle 0 is the replica, bundles 1..N its ranks (one node)."""
         if self.tp_size == 1:
@@ -267,30 +173,7 @@ class DraftDeploymentConfig(DraftConfig, DeploymentOptions, BatchOptions):
         return self
 
 
-class RouterOptions(DeploymentOptions):
-    """The ingress deployment (OpenAI API, the decode loops); it holds tokenizers only, no weights."""
-
-    max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent HTTP/handle requests one router accepts.")
-    stream_interval: int = Field(
-        1, ge=1, le=1024, description="Tokens a streamed chunk holds at least (vLLM's and SGLang's --stream-interval): "
-        "1 sends every round's tokens at once; more sends fewer chunks (less work for the router, the proxy and the "
-        "client, on the cores that decode) at a coarser inter-token latency. The first tokens and the last chunk "
-        "are never held.")
-    whole_rounds: bool = Field(
-        True, description="A target placed in the router (with the draft placed there too, or no draft) runs each "
-        "round whole on the process's model thread while no other target of the router has work: one thread hop per "
-        "round instead of one per call, no batch queue. False: every round goes through the draft's and the "
-        "target's batch queues (what lets rounds of several targets merge into one draft forward).")
-    keepalive_s: float = Field(
-        5.0, gt=0, description="A stream still waiting for its first tokens after 1 s (queued for a decode slot, a "
-        "long prefill) starts with status 200 and sends an SSE comment line (`: keep-alive`) this often until they "
-        "come, so proxies and clients with idle timeouts keep the connection; errors after that are in-band.")
-    prefix_routing: PrefixRoutingConfig = Field(
-        default_factory=PrefixRoutingConfig, description="Which target and draft replica a new sequence goes to: "
-        "where its prompt's first block was cached, within a load bound (docs/SERVING.md; off with prefix_cache).")
-
-
-class Limits(_Strict):
+class Limits(StrictModel):
     """Request limits; the defaults keep a 2-core machine responsive."""
 
     max_concurrent_sequences: int = Field(8, ge=1, description="Sequences decoded together per target.")
@@ -329,21 +212,7 @@ class Limits(_Strict):
         "admissions, not the streams in flight; light requests are prepared at once (serve/admission.py).")
 
 
-SERVE_TARGET_ONGOING = 2  # Serve's default target_ongoing_requests
-
-
-def router_ceiling(router: "RouterOptions") -> int:
-    """The most router replicas there can be: autoscaling's max_replicas, else num_replicas."""
-    if router.autoscaling_config is not None:
-        return int(router.autoscaling_config.get("max_replicas") or 1)
-    return router.num_replicas or 1
-
-
-# Serve's in-loop mode (part of RAY_SERVE_THROUGHPUT_OPTIMIZED), read by each replica process when it starts.
-IN_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
-
-
-class TenantsConfig(_Strict):
+class TenantsConfig(StrictModel):
     """Tenants of the served app and how far their caches are kept apart (RELIABILITY.md, "Tenants")."""
 
     keys_file: str | None = Field(
@@ -357,7 +226,7 @@ class TenantsConfig(_Strict):
         "but a client can then tell from response times and metrics what others sent.")
 
 
-class AppConfig(_Strict):
+class AppConfig(StrictModel, AppSizing):
     """Everything `serve run deployments/*.yaml` needs: targets, the shared draft, speculation, limits, access."""
 
     targets: list[TargetSpec] = Field(
@@ -485,45 +354,6 @@ class AppConfig(_Strict):
             suffix=self.suffix, deterministic=self.deterministic, prompt_round_tokens=self.prompt_round_tokens,
         )
 
-    def max_sequences(self, name: str) -> int:
-        """Sequences a router decodes together for a target: at most the KV rows a replica keeps (max_live_sequences,
-        and with `memory_fraction` what fits); the rest queue instead of evicting each other or running out of
-        memory."""
-        spec = self.target(name)
-        configured = min(spec.max_concurrent_sequences or self.limits.max_concurrent_sequences, spec.max_live_sequences)
-        capacity = self.target_capacity(name)
-        return configured if capacity is None else min(configured, capacity.rows)
-
-    def target_window(self, name: str, config: dict[str, Any]) -> int:
-        """Longest sequence admitted for a target (config: its model's config.json): config.context_window, capped by
-        limits.max_total_tokens; the most slots a replica's cache ever needs for it."""
-        return context_window(self.target(name).max_context, config, self.limits.max_total_tokens)
-
-    def _prefix_budget_fits(self, spec: TargetSpec) -> None:
-        """A prefix_cache.max_tokens given in the config within the target's memory (its share with memory_fraction),
-        where known here. The default is not checked: kept rows give way to live ones, so a small replica keeps less."""
-        if not self.prefix_cache.enabled or "max_tokens" not in self.prefix_cache.model_fields_set:
-            return
-        memory, config = spec.memory_bytes(), read_model_config(spec.resolved_source, self.cache_dir, resolve=False)
-        if memory is None or config is None:
-            return
-        shape, dtype = ModelShape.from_config(config), resolve_dtype(spec.dtype, spec.device)
-        check_prefix_budget(self.prefix_cache.max_tokens, int(memory * (spec.memory_fraction or 1.0)),
-                            shape.weight_bytes(dtype, spec.tp_size), shape.kv_bytes_per_token(dtype, spec.tp_size),
-                            f"target {spec.name}")
-
-    def target_capacity(self, name: str, resolve: bool = True) -> Capacity | None:
-        """The target's memory-based sizing where it can be computed here (None: no memory_fraction, or the device's
-        memory or the model's config is not known here); `resolve=False` reads local model directories only."""
-        spec = self.target(name)
-        memory = spec.memory_bytes()
-        if spec.memory_fraction is None or memory is None:
-            return None
-        config = read_model_config(spec.resolved_source, self.cache_dir, resolve=resolve)
-        if config is None:
-            return None
-        return spec.capacity(config, self.target_window(name, config), memory)
-
     @model_validator(mode="after")
     def _autoscaling_reachable(self) -> "AppConfig":
         """Serve adds replicas when a deployment's ongoing calls per replica exceed target_ongoing_requests, but a
@@ -547,7 +377,5 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _memory_fits(self) -> "AppConfig":
-        for t in self.targets:
-            self.target_capacity(t.name, resolve=False)  # raises when not even one full-length row fits
-            self._prefix_budget_fits(t)
+        self.check_memory()  # raises when not even one full-length row fits
         return self

@@ -1,16 +1,16 @@
 """The ingress: OpenAI-compatible HTTP API, the Python handle API, /health and /metrics.
 
 It holds tokenizers only; per target it owns one TargetScheduler (one SpecEngine + one decode loop) whose drafter is
-the shared draft deployment and whose verifier is the target deployment.
+the shared draft deployment and whose verifier is the target deployment. What a request goes through once admitted is
+serve/request_flow.py's, a streamed response's events serve/sse.py's, and the bounded stats calls to the deployments
+serve/router_stats.py's.
 """
 
 # No `from __future__ import annotations` here: Serve's ingress re-creates the route methods and FastAPI must see
 # real annotation objects (a string "Request" would be taken for a query parameter).
 import asyncio
 import contextlib
-import json
 import logging
-import time
 import uuid
 from dataclasses import replace
 from typing import AsyncIterator
@@ -24,20 +24,18 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..build import assemble_engine, draft_base_source, load_profile, set_threads
-from ..errors import ModelNotFoundError, RequestTimeoutError
 from ..gc_pauses import gc_pauses
 from ..models import check_same_vocabulary
 from .admission import PreparedGroup, Preparer
-from .affinity import Affinity, each_replica
+from .affinity import Affinity
 from .app_config import AppConfig
-from .choices import first_items, gather_all, merge
+from .choices import first_items, gather_all
 from .clients import DraftClient, TargetClient
 from .draft_deadline import DeadlinePolicy, DraftDeadline
-from .events import Event, coalesced
 from .http_api import (
     ApiError, api_error, body_schema, error_response, parse_body, read_body, validation_error,
 )
-from .keepalive import keepalive, settled_within
+from .keepalive import settled_within
 from .loaders import load_tokenizer
 from .lora import RouterAdapters, load_adapter, unload_adapter
 from .lora_config import LoadLoraRequest, UnloadLoraRequest
@@ -45,16 +43,19 @@ from .metrics import ServeMetrics, prefix_cache_totals
 from .metrics_hub import HubPusher
 from .openai_protocol import (
     ChatCompletionRequest, ChoiceView, CompletionRequest, GenerateChunk, GenerateRequest, GenerateResponse,
-    ResponseIds, Usage, error_body, full_response, stream_chunk, total_usage, usage_chunk,
+    ResponseIds, full_response,
 )
 from ..token_bytes import token_bytes_fn
-from .prepare import ModelInfo, TextAssembler, encode, to_generation
+from .prepare import ModelInfo, encode, to_generation
 from .replica import InProcessHandle, device_report, process_model_thread, replica_id, target_window
+from .request_flow import RequestFlow
 from .request_limits import check_request_limits, heavy_request
 from .round_timing import CallTimes
+from .router_stats import STATS_TIMEOUT_S, call_stats, recomputed, replica_stats
 from .health import ReadinessProbe, serve_status_reader, with_status
 from .scheduler import TargetScheduler
-from .tenants import TenantKeys, end_user_scope, scoped_seq_id, store_scope
+from .sse import EventStream
+from .tenants import TenantKeys, end_user_scope
 
 logger = logging.getLogger(__name__)
 
@@ -78,26 +79,6 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 FIRST_WAIT_S = 1.0  # a stream's status waits this long for its first tokens, then it starts with keep-alives
-STATS_TIMEOUT_S = 5.0  # one deployment's stats call; a dead replica is reported after this, not waited on
-
-
-async def _call_stats(handle, key: str | None = None) -> dict:
-    """A deployment's stats (the replica `key` is pinned to), or the error that prevented them (bounded: a dead
-    replica must not hang /health)."""
-    try:
-        call = handle.stats.remote(affinity=key) if key else handle.stats.remote()
-        return await asyncio.wait_for(_await(call), STATS_TIMEOUT_S)
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-async def _replica_stats(handle) -> list[dict]:
-    """Every live replica's stats (the prefix cache counters live in each), the first one answered as before."""
-    return await each_replica(handle, lambda key: _call_stats(handle, key))
-
-
-async def _await(response):
-    return await response
 
 
 # Serve serializes the class when it is decorated: everything its methods use must be defined above this line.
@@ -139,6 +120,9 @@ class Router:
         self.schedulers = {name: self._scheduler(name) for name in self.models}
         self.models.update({a: replace(self.models[base], name=a) for a, base in self.adapters.base_of.items()})
         self.preparer = Preparer(cfg.limits.prepare_share)  # tokenizing and grammar compiles, off the event loop
+        self.flow = RequestFlow(cfg, self.models, self.schedulers, self.adapters, self.tenants, self.preparer,
+                                self.metrics, self.pusher)  # one request's life (request_flow.py)
+        self.sse = EventStream(self.metrics, cfg.router.keepalive_s)  # streamed responses (sse.py)
         logger.info("router: targets %s (sequences admitted at once %s), draft %s, tenants %s (isolation %s)",
                     sorted(self.models), {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, self.tenants.names or "none: open",
@@ -196,25 +180,12 @@ class Router:
     # --- the Python handle API ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """`await handle.generate.remote(GenerateRequest(...))`: the whole completion."""
-        return await self._generate(GenerateRequest.model_validate(request))
-
-    async def _generate(self, req: GenerateRequest, group: PreparedGroup | None = None,
-                        index: int = 0) -> GenerateResponse:
-        async with contextlib.aclosing(self._run(req, group, index)) as stream:
-            chunks = [c async for c in stream]
-        ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
-        # The text is decoded from all ids at once, independently of the streamed deltas.
-        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids, req.min_tokens)
-        logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
-        return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
-                                finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
-                                logprobs=logprobs, prompt_token_ids=first.prompt_token_ids,
-                                prompt_logprobs=first.prompt_logprobs)
+        return await self.flow.generate(GenerateRequest.model_validate(request))
 
     async def generate_stream(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
         """`handle.options(stream=True).generate_stream.remote(...)`: one chunk per round."""
         req = GenerateRequest.model_validate(request)
-        async with contextlib.aclosing(self._run(req)) as chunks:
+        async with contextlib.aclosing(self.flow.run(req)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -232,24 +203,16 @@ class Router:
             if sched.engine.suffix is not None:  # the store of earlier outputs lives in this router's engine
                 out["targets"][name]["suffix"] = sched.engine.suffix.stats()
         handles = [self.target_handles[n] for n in names] + ([self.draft_handle] if self.cfg.uses_draft else [])
-        answers = await asyncio.gather(*(_replica_stats(h) for h in handles[:len(names)]),
-                                       *(_call_stats(h) for h in handles[len(names):]))
+        answers = await asyncio.gather(*(replica_stats(h) for h in handles[:len(names)]),
+                                       *(call_stats(h) for h in handles[len(names):]))
         for name, reps in zip(names, answers):
             out["targets"][name]["deployment"] = reps[0]
             out["targets"][name]["prefix_cache"] = prefix_cache_totals(reps)
         out["draft"] = answers[-1] if self.cfg.uses_draft else None
-        out["recomputed_tokens"] = self._recomputed()
+        out["recomputed_tokens"] = recomputed(self.affinities)
         out["gc"] = gc_pauses().snapshot()  # this process's (placed models included)
         return out
 
-    def _recomputed(self) -> dict[str, dict[str, int]]:
-        """deployment -> replica -> tokens recomputed for this router's calls (s2d_recomputed_tokens_total)."""
-        out: dict[str, dict[str, int]] = {}
-        for aff in self.affinities:
-            per_replica = out.setdefault(aff.deployment, {})
-            for replica, n in aff.recomputed.items():
-                per_replica[replica] = per_replica.get(replica, 0) + n
-        return out
 
     # --- HTTP ---------------------------------------------------------------------------------------------------
     @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
@@ -326,9 +289,9 @@ class Router:
         self.tenants.require_operator(request)
         if self.metrics_hub is None:  # a router built outside build_app: this replica's own counters
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-        draft = await _call_stats(self.draft_handle) if self.cfg.uses_draft else None
+        draft = await call_stats(self.draft_handle) if self.cfg.uses_draft else None
         # the prefix cache counters live in the target replicas
-        prefix = {name: await _replica_stats(self.target_handles[name]) for name in self.schedulers}
+        prefix = {name: await replica_stats(self.target_handles[name]) for name in self.schedulers}
         await self.pusher.push()  # this replica's counters as of now
         body = await self.metrics_hub.render.remote(draft, prefix)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -347,32 +310,27 @@ class Router:
             scoped = {"tenant": tenant.name, "cache_salt": oreq.cache_salt,
                       "suffix_scope": end_user_scope(oreq.user, oreq.safety_identifier)}
             greqs = [g.model_copy(update=scoped) for g in greqs]
-            info = self._info(oreq.model)
+            info = self.flow.info(oreq.model)
             model = info.name
             ids = ResponseIds(chat)
             views = [self._view(ids, i, g, oreq, info) for i, g in enumerate(greqs)]
             group = PreparedGroup(self.preparer, to_generation, [(info, g, self.cfg.limits) for g in greqs],
                                   heavy=any(heavy_request(g) for g in greqs))
             if oreq.stream:
-                streams = [self._run(g, group, i) for i, g in enumerate(greqs)]
+                streams = [self.flow.run(g, group, i) for i, g in enumerate(greqs)]
                 # admission errors (404, 400, 429) still get an HTTP status; a queued stream starts with keep-alives
                 pending = asyncio.ensure_future(first_items(streams))
                 waiting = not await settled_within(pending, min(FIRST_WAIT_S, self.cfg.router.keepalive_s))
-                sse = (self._sse_queued(pending, ids, model, views, streams, oreq.n) if waiting else
-                       self._sse(ids, model, views, pending.result(), streams, oreq.n))
+                sse = (self.sse.queued(pending, ids, model, views, streams, oreq.n) if waiting else
+                       self.sse.stream(ids, model, views, pending.result(), streams, oreq.n))
                 return StreamingResponse(sse, media_type="text/event-stream")
-            resps = await gather_all([self._generate(g, group, i) for i, g in enumerate(greqs)])
+            resps = await gather_all([self.flow.generate(g, group, i) for i, g in enumerate(greqs)])
             return JSONResponse(full_response(ids, model, views, resps, oreq.n))
         except Exception as exc:
             err = api_error(exc)  # a 5xx's exception goes to the log with the id the client gets
             self.metrics.errors.labels(model, str(err.status)).inc()
             return error_response(err)
 
-    def _info(self, model: str) -> ModelInfo:
-        info = self.models.get(model)
-        if info is None:
-            raise ModelNotFoundError(f"model {model!r} is not served here; available: {sorted(self.models)}")
-        return info
 
     @staticmethod
     def _view(ids: ResponseIds, index: int, greq: GenerateRequest, oreq, info: ModelInfo) -> ChoiceView:
@@ -382,115 +340,3 @@ class Router:
             echo = greq.prompt if greq.prompt is not None else info.tokenizer.decode(encode(info, greq))
         return ChoiceView(ids, index, lambda t: info.tokenizer.decode([t]), greq.logprobs is not None, echo,
                           oreq.return_token_ids, greq.tool_mode, token_bytes_fn(info.tokenizer))
-
-    async def _sse_queued(self, pending: asyncio.Future, ids: ResponseIds, model: str, views: list[ChoiceView],
-                          streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
-        """keepalive.py: comment lines until the first tokens, then the stream; an error before them in-band."""
-        async for line in keepalive(pending, self.cfg.router.keepalive_s):
-            yield line
-        try:
-            firsts = pending.result()
-        except Exception as exc:
-            yield self._error_event(exc, model)
-            yield "data: [DONE]\n\n"
-            return
-        async for part in self._sse(ids, model, views, firsts, streams, n):
-            yield part
-
-    async def _sse(self, ids: ResponseIds, model: str, views: list[ChoiceView], firsts: list[GenerateChunk],
-                   streams: list[AsyncIterator[GenerateChunk]], n: int) -> AsyncIterator[str]:
-        """One chunk per round per choice; several choices end with one usage chunk. Closing this (the client
-        hung up) closes every choice's stream, which aborts its sequence."""
-        single, finals = len(streams) == 1, {}
-        async with contextlib.aclosing(merge(firsts, streams)) as chunks:
-            try:
-                async for i, chunk, first in chunks:
-                    if chunk.usage is not None:
-                        finals[i] = chunk
-                    yield f"data: {json.dumps(stream_chunk(ids, model, views[i], chunk, first, single))}\n\n"
-                if not single:
-                    parts = [finals[i] for i in sorted(finals)]
-                    body = usage_chunk(ids, model, total_usage(parts, n), [p.metrics for p in parts])
-                    yield f"data: {json.dumps(body)}\n\n"
-            except Exception as exc:  # after the first byte the status is sent: report in-band, like OpenAI
-                yield self._error_event(exc, model)
-        yield "data: [DONE]\n\n"
-
-    def _error_event(self, exc: Exception, model: str) -> str:
-        err = api_error(exc)
-        self.metrics.errors.labels(model, str(err.status)).inc()
-        return f"data: {json.dumps(error_body(err.message, err.code, err.param, err.type))}\n\n"
-
-    # --- one request, HTTP or handle ---------------------------------------------------------------------------
-    async def _run(self, req: GenerateRequest, group: PreparedGroup | None = None,
-                   index: int = 0) -> AsyncIterator[GenerateChunk]:
-        """Admit (limits checked; prepared alone, or as choice `index` of `group`), then one chunk per round; the last
-        carries usage and the engine's metrics."""
-        info = self._info(req.model)
-        self.pusher.start()
-        if group is None:  # a handle call; an HTTP request was checked once before its choices were made
-            check_request_limits(req, self.cfg.limits)
-        base, _ = self.adapters.target(req.model)  # an adapter's rows decode on its base's engine
-        sched = self.schedulers[base]
-        arrival, first_token = time.perf_counter(), None
-        with sched.reserve():  # a full target answers 429 before any tokenizing or compiling
-            if group is None:
-                gen = await self.preparer.run(to_generation, info, req, self.cfg.limits, heavy=heavy_request(req))
-            else:
-                gen = await group.get(index)
-            # The caches read only the request's scope: its tenant and cache_salt (tenants.py); the store of earlier
-            # outputs under `suffix.scope: api_key` also its end user.
-            scope = self.tenants.cache_scope(req.tenant, req.cache_salt)
-            end_user = req.suffix_scope if self.cfg.suffix.scope == "api_key" else None
-            gen = replace(gen, seq_id=scoped_seq_id(scope, gen.seq_id), suffix_scope=store_scope(scope, end_user))
-            _, gen = self.adapters.generation(req.model, gen)
-            text = TextAssembler(info, gen.stop_strings, min_tokens=gen.min_tokens)
-            # Nothing awaits between the submit and _events' try: a closed stream always aborts its sequence.
-            events = self._events(sched, gen, sched.submit(gen))
-        drop = req.max_tokens == 0  # scoring only: the one decoded token is not returned
-        if self.cfg.router.stream_interval > 1:
-            events = coalesced(events, self.cfg.router.stream_interval)
-        async with contextlib.aclosing(events) as events:
-            async for ev in events:
-                if ev.tokens and first_token is None:
-                    first_token = time.perf_counter() - arrival
-                tokens, logprobs = ([], [] if ev.logprobs is not None else None) if drop else (ev.tokens, ev.logprobs)
-                prompt = {}
-                if ev.prompt_logprobs is not None:
-                    prompt = {"prompt_token_ids": gen.prompt_ids, "prompt_logprobs": ev.prompt_logprobs}
-                if not ev.finished:
-                    delta = text.push(tokens)
-                    if tokens or prompt:
-                        yield GenerateChunk(text=delta, token_ids=tokens, logprobs=logprobs, **prompt)
-                    continue
-                delta = text.finish(tokens)
-                n_out = len(text.ids)
-                usage = Usage(prompt_tokens=len(gen.prompt_ids), completion_tokens=n_out,
-                              total_tokens=len(gen.prompt_ids) + n_out)
-                self.metrics.record_finished(req.model, len(gen.prompt_ids), ev.finish_reason or "abort", ev.metrics,
-                                             time.perf_counter() - arrival, first_token)
-                yield GenerateChunk(text=delta, token_ids=tokens, finish_reason=ev.finish_reason,
-                                    usage=usage, metrics=ev.metrics, logprobs=logprobs, **prompt)
-
-    async def _events(self, sched: TargetScheduler, gen, queue: asyncio.Queue) -> AsyncIterator[Event]:
-        """The submitted request's events until it finishes; on timeout, error or a vanished client the sequence is
-        aborted."""
-        deadline = time.monotonic() + self.cfg.limits.request_timeout_s
-        finished, reason = False, "cancelled"  # client gone (CancelledError / generator closed) unless set below
-        try:
-            while not finished:
-                try:
-                    ev = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
-                    reason = "timeout"
-                    raise RequestTimeoutError(
-                        f"request exceeded {self.cfg.limits.request_timeout_s:.0f} s and was aborted") from None
-                if ev.error is not None:
-                    reason = "error"
-                    raise ev.error
-                finished = ev.finished
-                yield ev
-        finally:
-            if not finished:
-                sched.cancel(gen.seq_id)
-                self.metrics.aborts.labels(sched.name, reason).inc()

@@ -12,7 +12,7 @@ import torch
 from s2d_ray.build import build_engine, load_target
 from s2d_ray.config import EngineConfig, SpecConfig, TargetConfig
 from s2d_ray.core.engine import GenerationRequest
-from s2d_ray.models.sources import default_cache_dir
+from s2d_ray.models.model_cache import default_cache_dir
 from s2d_ray.prompts import encode_prompt
 
 pytestmark = pytest.mark.real

@@ -17,7 +17,7 @@ from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.policy import HeuristicK
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.kernels import CpuKernels
-from s2d_ray.models.sources import default_cache_dir
+from s2d_ray.models.model_cache import default_cache_dir
 from s2d_ray.prompts import encode_prompt
 
 KERNELS = CpuKernels()  # the backend the shipped entry points inject

@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from s2d_ray.serve import AppConfig, build_app
-from s2d_ray.serve.app_config import IN_LOOP_ENV
+from s2d_ray.serve.deployment_options import IN_LOOP_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOYMENT_YAMLS = sorted((REPO / "deployments").glob("*.yaml"))

@@ -15,7 +15,7 @@ from helpers import make_tiny_tokenizer
 from s2d_ray.models.capacity import GIB
 from s2d_ray.prompts import encode_messages, override_chat_template
 from s2d_ray.serve import AppConfig, build_app
-from s2d_ray.serve.app_config import router_ceiling
+from s2d_ray.serve.deployment_options import router_ceiling
 
 GPU_YAML = Path(__file__).resolve().parents[2] / "deployments" / "gpu.yaml"
 LLAMA2 = {"num_attention_heads": 32, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,

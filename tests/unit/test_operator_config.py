@@ -13,7 +13,8 @@ from helpers import make_tiny_tokenizer
 from s2d_ray.build import draft_base_source
 from s2d_ray.errors import ConfigError, ModelLoadError
 from s2d_ray.models import DRAFT_CONFIG
-from s2d_ray.models.sources import classify_source, resolve_model_dir
+from s2d_ray.models.source_names import classify_source
+from s2d_ray.models.sources import resolve_model_dir
 from s2d_ray.prompts import encode_messages, encode_prompt, override_chat_template
 
 

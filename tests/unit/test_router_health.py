@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from s2d_ray.serve import router as router_mod
+from s2d_ray.serve import router_stats
 from s2d_ray.serve.tenants import TenantKeys
 
 # The ingress class's __del__ is a coroutine in Serve; the bare instances here never start it.
@@ -53,7 +54,8 @@ def _health(self) -> tuple[int, dict, float]:
 
 @pytest.fixture
 def short_timeout(monkeypatch):
-    monkeypatch.setattr(router_mod, "STATS_TIMEOUT_S", 0.3, raising=False)
+    monkeypatch.setattr(router_stats, "STATS_TIMEOUT_S", 0.3)  # each deployment's call
+    monkeypatch.setattr(router_mod, "STATS_TIMEOUT_S", 0.3)  # and the router's bound on them all
 
 
 def test_hung_draft_is_reported_not_fatal_and_bounded(short_timeout):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from core_fixtures import KERNELS, noisy_draft, random_prompts, tiny_target
-from s2d_ray.core.budget import RoundObservation, RoundPlan, SpeculationBudget, TreeShape
+from s2d_ray.core.budget import RoundPlan, SpeculationBudget, TreeShape
+from s2d_ray.core.round_costs import RoundObservation
 from s2d_ray.core.costs import CostModel
 from s2d_ray.core.draft import SortedDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
