@@ -228,3 +228,28 @@ def test_a_bad_adapter_is_refused_alike_by_every_rank(ranks):
     # ranks that disagree: the group answers the refusal and undoes the load on every rank
     assert group_adapter_answer([{"loaded": "x"}, answers[1]]) == ({"error": answers[1]["error"]}, True)
     assert group_adapter_answer([{"loaded": "x"}, {"loaded": "x"}]) == ({"loaded": "x"}, False)
+
+
+def test_a_split_cuts_the_factors_as_the_layer_is_cut():
+    from s2d_ray.core.lora import Split
+
+    a, b = torch.arange(12.0).reshape(2, 6), torch.arange(16.0).reshape(8, 2)
+    col = Split((8, 6), out=slice(4, 8))
+    assert col.held() == (4, 6) and col.cut(a, b)[0].equal(a) and col.cut(a, b)[1].equal(b[4:])
+    row = Split((8, 6), in_=slice(0, 3), reduce=lambda t: None)
+    assert row.held() == (8, 3) and row.cut(a, b)[0].equal(a[:, :3]) and row.cut(a, b)[1].equal(b)
+    assert row.cut(a, b)[0].is_contiguous()
+    with pytest.raises(ValueError, match="needs the group's sum"):
+        Split((8, 6), in_=slice(0, 3))  # a row-parallel cut without its all-reduce would add a partial delta
+    with pytest.raises(ValueError, match="not both"):
+        Split((8, 6), out=slice(0, 4), in_=slice(0, 3), reduce=lambda t: None)
+
+
+def test_a_bank_refuses_splits_that_do_not_fit_its_layers():
+    from s2d_ray.core.lora import LoraBank, Split
+
+    layers = tiny_target(num_layers=1).model.layers  # q_proj: 32 -> 32
+    with pytest.raises(ValueError, match="its weight is"):
+        LoraBank(splits={"0.self_attn.q_proj": Split((32, 32), out=slice(0, 8))}).wrap(layers)
+    with pytest.raises(ValueError, match="do not have"):
+        LoraBank(splits={"0.self_attn.qkv": Split((32, 32), out=slice(0, 32))}).wrap(layers)
