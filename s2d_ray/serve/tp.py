@@ -132,8 +132,7 @@ class TPWorker:
         reset_peak_rss()  # the peak reported is loading's
         model, loading = self._load()
         self.lora = rank_bank(self.spec, model, loading, self.rank, self.world_size)
-        # all-reduces inside: not captured
-        self.verifier = build_verifier(model, self.ecfg, cuda_graphs=False, lora=self.lora)
+        self.verifier = build_verifier(model, self.ecfg, cuda_graphs=False, lora=self.lora)  # all-reduces: no graphs
         for adapter, where in (self.spec.lora.adapters.items() if self.lora is not None else ()):
             loaded = register_on_rank(self.lora, adapter, where)
             if "error" in loaded:  # every rank reads the same files: the group fails to form, naming why
@@ -202,7 +201,7 @@ class TPGroup:
     """The replica's side of a TP target: starts the ranks in its placement group and drives them in lockstep."""
 
     cpu_s = 0.0  # the model threads are the ranks' (other actors): not measured here (Counted.cpu_seconds 0)
-    prefix_cache: dict = {}  # rank 0's prefix cache counters as of the last `num_active` (stats asks it first)
+    prefix_cache: dict = {}  # rank 0's prefix cache counters and adapters as of the last `num_active` (asked first)
 
     def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float, max_slots: int) -> None:
         self.size, self.call_timeout_s = spec.tp_size, call_timeout_s
