@@ -5,7 +5,8 @@ A rank's model comes one of two ways (serve/tp.py): read as a shard (models/shar
 share of their output features, o/down are RowParallelLinear over their input features), or cut by DeepSpeed AutoTP
 (LinearLayer: output features; LinearAllreduce: input features, the partial outputs summed by RowParallel). AutoTP's
 shares need not be even (whole heads, `tp_grain_size` for MLPs): the slices come from each layer's own partition
-sizes. A DeepSpeed layer of another kind (fused QKV, packed gate/up) is refused: its rows are not one slice.
+sizes. A DeepSpeed layer of another kind (fused QKV, packed gate/up, a gathered output) is refused: LoRA would need
+another cut there.
 """
 
 from __future__ import annotations
@@ -54,17 +55,17 @@ def _deepspeed_split(module: nn.Module, path: str) -> Split | None:
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, TensorParallel_Layer
 
     kind = type(module)
-    if kind not in (LinearLayer, LinearAllreduce):
+    gathered = kind is LinearLayer and module.gather_output  # its output whole again, its weight still a shard
+    if kind not in (LinearLayer, LinearAllreduce) or gathered:
         if isinstance(module, TensorParallel_Layer):
-            raise ValueError(f"{path}: DeepSpeed AutoTP made it a {kind.__name__}, whose shard is not one slice of "
-                             "its features; LoRA adapters are served on LinearLayer and LinearAllreduce shards only")
+            raise ValueError(f"{path}: DeepSpeed AutoTP made it a {kind.__name__}"
+                             f"{' gathering its output' if gathered else ''}, which LoRA does not mirror; adapters are "
+                             "served on LinearLayer (split output) and LinearAllreduce shards only")
         return None
     sizes, index = module._partition_sizes, module.tp_index
     held = slice(sum(sizes[:index]), sum(sizes[: index + 1]))
     out_f, in_f = module.weight.shape
     if kind is LinearLayer:
-        if module.gather_output:
-            return None  # every rank ends with the whole output: an adapter's delta applies whole
         return Split((sum(sizes), in_f), out=held)
     return Split((out_f, sum(sizes)), in_=held, reduce=partial(_deepspeed_sum, module))
 
