@@ -12,6 +12,12 @@ refused when the adapter is read, never applied in part.
 
 KV computed under one adapter is kept apart from every other's: `LoraBank.key` names an adapter's registration, and
 the verifier shares prefixes (forks, the prefix cache) only between rows of the same key.
+
+On a tensor-parallel rank each projection holds a shard, and its adapters are cut the same way (`Split`, given by the
+serving layer as plain slices): a column-parallel projection (its output features split) keeps its rows of B with A
+whole; a row-parallel one (its input features split, partial outputs summed over the ranks) keeps its columns of A
+with B whole, and adds its partial delta to its partial output before the sum. The delta is linear in x, so the sum
+over the ranks is the whole adapter's delta, with no collective of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +52,43 @@ class LoraWeights:
 
     def num_bytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.factors.values())
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a tensor-parallel rank holds one projection, which its adapters' factors mirror. `full`: (out, in)
+    features of the whole projection, what an adapter is checked against. `out`: the output features this rank keeps
+    (column-parallel: B's rows cut alike, A whole). `in_`: the input features it holds (row-parallel: A's columns cut
+    alike, B whole); `reduce` then sums a tensor over the group in place, and the projection is weight, sum, bias in
+    that order, so the rank's partial delta joins its partial output before the sum."""
+
+    full: tuple[int, int]
+    out: slice | None = None
+    in_: slice | None = None
+    reduce: Callable[[torch.Tensor], object] | None = None
+
+    def __post_init__(self) -> None:
+        if self.out is not None and self.in_ is not None:
+            raise ValueError("a projection is split along its output or its input features, not both")
+        if (self.in_ is None) != (self.reduce is None):
+            raise ValueError("a row-parallel split (in_) needs the group's sum (reduce), and only it has one")
+
+    def cut(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's A and B of a whole adapter's factors (copies: the whole tensors are not kept)."""
+        if self.out is not None:
+            b = b[self.out]
+        if self.in_ is not None:
+            a = a[:, self.in_]
+        return a.clone(memory_format=torch.contiguous_format), b.clone(memory_format=torch.contiguous_format)
+
+    def held(self) -> tuple[int, int]:
+        """(out, in) features of the rank's shard."""
+        out, inp = self.full
+        return (_length(self.out, out), _length(self.in_, inp))
+
+
+def _length(cut: slice | None, size: int) -> int:
+    return size if cut is None else len(range(*cut.indices(size)))
 
 
 _REFUSED = {  # peft options this module cannot reproduce, and what a config must say to pass
@@ -97,12 +141,15 @@ class LoraBank:
     adapter loads it back into a slot before its forward).
 
     `wrap(layers)` puts a `LoraProjection` around every Linear of the decoder layers; `bind(names)` says which
-    adapter each row of the next forward uses ("" for the base)."""
+    adapter each row of the next forward uses ("" for the base). `splits`: on a tensor-parallel rank, how each split
+    projection ("<layer>.<path in layer>", as in LoraWeights.factors) is held; projections not named are whole."""
 
-    def __init__(self, max_loaded: int = 4, max_rank: int = 64) -> None:
+    def __init__(self, max_loaded: int = 4, max_rank: int = 64, splits: Mapping[str, Split] | None = None) -> None:
         if max_loaded < 1 or max_rank < 1:
             raise ValueError(f"max_loaded and max_rank must be >= 1, got {max_loaded}, {max_rank}")
         self.max_loaded, self.max_rank = max_loaded, max_rank
+        self.splits: dict[str, Split] = dict(splits or {})
+        self.full: dict[str, tuple[int, int]] = {}  # module -> (out, in) features of the whole projection
         self.registered: dict[str, LoraWeights] = {}
         self.generation: dict[str, int] = {}  # name -> registration count: KV keys of a re-registered name differ
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot (1..max_loaded), LRU first
@@ -113,16 +160,25 @@ class LoraBank:
     # --- construction -------------------------------------------------------------------------------------------
     def wrap(self, layers: nn.ModuleList) -> nn.ModuleList:
         """Structural copies of `layers` whose projections read this bank (parameters shared, `layers` untouched)."""
-        return nn.ModuleList(self._wrapped(layer, str(i)) for i, layer in enumerate(layers))
+        wrapped = nn.ModuleList(self._wrapped(layer, str(i)) for i, layer in enumerate(layers))
+        unknown = sorted(set(self.splits) - set(self.stacks))
+        if unknown:
+            raise ValueError(f"splits name projections these layers do not have: {unknown[:5]}")
+        return wrapped
 
     def _wrapped(self, module: nn.Module, path: str) -> nn.Module:
         weight = getattr(module, "weight", None)
         if path.count(".") >= 1 and isinstance(weight, torch.Tensor) and weight.dim() == 2 and not module._modules:
             out_f, in_f = weight.shape
+            split = self.splits.get(path)
+            if split is not None and split.held() != (out_f, in_f):
+                raise ValueError(f"{path}: its split holds {split.held()} of {split.full} features, its weight is "
+                                 f"{(out_f, in_f)}")
+            self.full[path] = split.full if split is not None else (out_f, in_f)
             slots = self.max_loaded + 1
             self.stacks[path] = (weight.new_zeros(slots, self.max_rank, in_f),
                                  weight.new_zeros(slots, out_f, self.max_rank))
-            return LoraProjection(module, self, path)
+            return LoraProjection(module, self, path, split)
         children = {n: self._wrapped(c, f"{path}.{n}") if c is not None else None for n, c in module._modules.items()}
         if all(children[n] is c for n, c in module._modules.items()):
             return module
@@ -144,12 +200,16 @@ class LoraBank:
             if module not in self.stacks:
                 raise AdapterError(f"adapter {weights.name}: adapts {module}, which this base model does not have "
                                    "(an adapter of another base?)")
-            sa, sb = self.stacks[module]
-            if a.shape[1] != sa.shape[2] or b.shape[0] != sb.shape[1]:
+            out_f, in_f = self.full[module]
+            if a.shape[1] != in_f or b.shape[0] != out_f:
                 raise AdapterError(f"adapter {weights.name}: {module} maps {a.shape[1]} -> {b.shape[0]} features, "
-                                   f"this base's {sa.shape[2]} -> {sb.shape[1]} (an adapter of another base)")
+                                   f"this base's {in_f} -> {out_f} (an adapter of another base)")
         dtype = next(iter(self.stacks.values()))[0].dtype
-        cast = {m: (a.to(dtype), b.to(dtype)) for m, (a, b) in weights.factors.items()}
+        cast = {}
+        for m, (a, b) in weights.factors.items():  # on a tensor-parallel rank: its shard of each factor
+            split = self.splits.get(m)
+            a, b = split.cut(a, b) if split is not None else (a, b)
+            cast[m] = (a.to(dtype), b.to(dtype))
         self.unregister(weights.name)
         self._registrations += 1
         self.registered[weights.name] = LoraWeights(weights.name, weights.rank, cast)
@@ -229,11 +289,13 @@ class LoraBank:
 
 
 class LoraProjection(nn.Module):
-    """A projection plus each row's adapter: base(x) + (x @ A[slot].T) @ B[slot].T, slot gathered per row."""
+    """A projection plus each row's adapter: base(x) + (x @ A[slot].T) @ B[slot].T, slot gathered per row. A
+    row-parallel shard (`split.reduce`) adds its partial delta before the group's sum, not after it."""
 
-    def __init__(self, base: nn.Module, bank: LoraBank, path: str) -> None:
+    def __init__(self, base: nn.Module, bank: LoraBank, path: str, split: Split | None = None) -> None:
         super().__init__()
         self.base, self.path = base, path
+        self.reduce = split.reduce if split is not None else None
         self._bank = [bank]  # not a submodule: the bank is shared by every projection
 
     @property
@@ -241,12 +303,22 @@ class LoraProjection(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         rows = self._bank[0].rows
         if rows is None:
-            return y
+            return self.base(x)
         if x.dim() != 3 or x.shape[0] != rows.shape[0]:
             raise ValueError(f"{self.path}: input {tuple(x.shape)} is not [rows={rows.shape[0]}, positions, features]")
+        if self.reduce is None:
+            return self.base(x) + self.delta(x, rows)
+        # Row-parallel shard: weight, sum, bias as its own forward, with this rank's partial delta inside the sum.
+        out = torch.matmul(x, self.base.weight.transpose(-1, -2))
+        out += self.delta(x, rows)
+        self.reduce(out)
+        bias = getattr(self.base, "bias", None)
+        return out if bias is None else out + bias
+
+    def delta(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(x @ A[slot].T) @ B[slot].T per row: the rank's share where the projection is split."""
         stack_a, stack_b = self._bank[0].stacks[self.path]
         a, b = stack_a.index_select(0, rows), stack_b.index_select(0, rows)  # [n, R, in], [n, out, R]
-        return y + torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
+        return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))

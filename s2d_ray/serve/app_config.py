@@ -79,14 +79,7 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions, TargetSizing):
 
     lora: LoraTargetConfig | None = Field(
         None, description="Serve LoRA adapters over this target's model, each its own model name, verified in the "
-        "same forwards (docs/SERVING.md, 'LoRA targets'); tp_size 1 only.")
-
-    @model_validator(mode="after")
-    def _lora_single_rank(self) -> "TargetSpec":
-        if self.lora is not None and self.tp_size > 1:
-            raise ValueError(f"target {self.name}: lora adapters are not supported on tensor-parallel targets yet "
-                             "(tp_size > 1); serve them from a tp_size 1 target")
-        return self
+        "same forwards (docs/SERVING.md, 'LoRA targets'); with tp_size > 1 each rank holds its shard of them.")
 
     @model_validator(mode="after")
     def _tp_dtype(self) -> "TargetSpec":

@@ -164,13 +164,18 @@ class TargetDeployment:
     async def load_adapter(self, name: str, where: str, affinity: str | None = None) -> dict:
         """Register a LoRA adapter on this replica (between forwards, on the model thread): {"loaded"} or
         {"error"}."""
+        if isinstance(self.backend, TPGroup):  # every rank registers its cut of it (serve/tp.py)
+            return {**await self.backend.load_adapter(name, where), "replica": self.replica}
         if self.lora is None:
             return {**register_adapter(None, name, where), "replica": self.replica}
         return {**await self.backend.thread.run(register_adapter, self.lora, name, where), "replica": self.replica}
 
     async def unload_adapter(self, name: str, affinity: str | None = None) -> dict:
         """Forget an adapter on this replica: {"unloaded": whether it was registered}."""
-        gone = self.lora is not None and await self.backend.thread.run(self.lora.unregister, name)
+        if isinstance(self.backend, TPGroup):
+            gone = await self.backend.unload_adapter(name)
+        else:
+            gone = self.lora is not None and await self.backend.thread.run(self.lora.unregister, name)
         return {"unloaded": gone, "replica": self.replica}
 
     async def stats(self, affinity: str | None = None) -> dict:

@@ -6,6 +6,9 @@ DeepSpeed AutoTP keeps each rank's shard. Every score call goes to ALL ranks wit
 lockstep); rank 0's logits are the answer. Every wait is bounded: a dead or stuck rank, or a failed collective, makes
 the group `broken` (calls fail fast, check_health fails, Serve replaces the replica, and the new group forms on a
 fresh port) instead of hanging a request. A request every rank refuses alike (before any collective) fails alone.
+
+LoRA adapters (a target with `lora:`) live on every rank, each holding its cut of them (serve/tp_lora.py); a runtime
+load or unload goes to every rank, and a load some ranks refuse is undone on all, so the ranks hold the same adapters.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from ..models import canonical_source, resolve_model_dir
 from ..models.shards import checkpoint_files, load_sharded, peak_rss_bytes, reset_peak_rss
 from ..shm_buffers import remove_shm_buffers, unlink_when_mapped
 from .app_config import TargetSpec
+from .lora import score_by_adapters
 from .replica import (
-    device_report, process_model_thread, release_all, return_freed_memory, score_counted, sized_rows,
+    device_report, process_model_thread, release_all, return_freed_memory, sized_rows,
 )
+from .tp_lora import group_adapter_answer, rank_bank, register_on_rank
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +89,7 @@ def score_or_failure(rank: int, verifier: TargetVerifier, requests: list[ScoreRe
     """One rank's part of a score call: rank 0's answer (None on the others), or the failure as a value, so the
     group tells a request every rank refused (it stays up) from a failed collective (it is replaced)."""
     try:
-        out = score_counted(verifier, requests, expected)
+        out = score_by_adapters(verifier, requests, expected)  # forwards of at most lora.max_loaded adapters each
     except Exception as exc:
         logger.warning("TP rank %d: score failed: %s: %s", rank, type(exc).__name__, exc)
         return RankFailure(rank, f"{type(exc).__name__}: {exc}", is_collective_failure(exc))
@@ -113,6 +118,7 @@ class TPWorker:
         set_threads(ecfg.num_threads)
         self.thread = process_model_thread(ecfg.num_threads)
         self.verifier: TargetVerifier | None = None
+        self.lora = None  # the rank's cut of the target's LoRA adapters (serve/tp_lora.py), None without `lora:`
 
     async def setup(self, max_rows: int, max_slots: int) -> dict:
         return await self.thread.run(self._setup_sync, max_rows, max_slots)
@@ -125,7 +131,12 @@ class TPWorker:
         unlink_when_mapped(self.rank, dist.barrier)  # a killed rank leaves no /dev/shm file behind
         reset_peak_rss()  # the peak reported is loading's
         model, loading = self._load()
-        self.verifier = build_verifier(model, self.ecfg, cuda_graphs=False)  # all-reduces inside: not captured
+        self.lora = rank_bank(self.spec, model, loading, self.rank, self.world_size)
+        self.verifier = build_verifier(model, self.ecfg, cuda_graphs=False, lora=self.lora)  # all-reduces: no graphs
+        for adapter, where in (self.spec.lora.adapters.items() if self.lora is not None else ()):
+            loaded = register_on_rank(self.lora, adapter, where)
+            if "error" in loaded:  # every rank reads the same files: the group fails to form, naming why
+                raise ValueError(f"target {self.spec.name}: {loaded['error']}")
         rows = self.spec_rows(model, max_rows, max_slots)
         limit_rows(self.verifier, rows, max_slots)
         returned = return_freed_memory()
@@ -169,9 +180,18 @@ class TPWorker:
         return await self.thread.run(lambda: self.verifier.num_active)
 
     async def counts(self) -> dict:
-        """Live sequences and the prefix cache counters: every rank runs the same calls, so rank 0's stand for all."""
+        """Live sequences, the prefix cache counters and the adapters held: every rank runs the same calls, so rank
+        0's stand for all."""
         return await self.thread.run(lambda: {"num_active": self.verifier.num_active,
-                                              **self.verifier.prefix_cache_stats()})
+                                              **self.verifier.prefix_cache_stats(),
+                                              **({"lora": self.lora.stats()} if self.lora is not None else {})})
+
+    async def load_adapter(self, name: str, where: str) -> dict:
+        """Register the rank's cut of an adapter between forwards: {"loaded"} or {"error"}, never an exception."""
+        return await self.thread.run(register_on_rank, self.lora, name, where)
+
+    async def unload_adapter(self, name: str) -> bool:
+        return self.lora is not None and await self.thread.run(self.lora.unregister, name)
 
     async def ping(self) -> int:
         return self.rank
@@ -181,7 +201,7 @@ class TPGroup:
     """The replica's side of a TP target: starts the ranks in its placement group and drives them in lockstep."""
 
     cpu_s = 0.0  # the model threads are the ranks' (other actors): not measured here (Counted.cpu_seconds 0)
-    prefix_cache: dict = {}  # rank 0's prefix cache counters as of the last `num_active` (stats asks it first)
+    prefix_cache: dict = {}  # rank 0's prefix cache counters and adapters as of the last `num_active` (asked first)
 
     def __init__(self, ecfg: EngineConfig, spec: TargetSpec, call_timeout_s: float, max_slots: int) -> None:
         self.size, self.call_timeout_s = spec.tp_size, call_timeout_s
@@ -240,6 +260,18 @@ class TPGroup:
         counts = await self._all("counts")
         self.prefix_cache = {k: v for k, v in counts[0].items() if k != "num_active"}
         return max(c["num_active"] for c in counts)
+
+    async def load_adapter(self, name: str, where: str) -> dict:
+        """Register an adapter on every rank: {"loaded"}, or the first rank's refusal with it registered on none."""
+        answer, undo = group_adapter_answer(await self._all("load_adapter", name, where))
+        if undo:
+            logger.warning("TP ranks disagreed on adapter %s (%s): unloaded from every rank", name, answer["error"])
+            await self._all("unload_adapter", name)
+        return answer
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Forget an adapter on every rank: whether any held it."""
+        return any(await self._all("unload_adapter", name))
 
     async def check(self) -> None:
         await self._all("ping", timeout=min(self.call_timeout_s, 10.0))

@@ -61,9 +61,13 @@ def test_config_accepts_the_committed_adapter_by_name():
     assert adapter_path("smollm2-135m-gsm8k") == ASSET_ADAPTERS / "smollm2-135m-gsm8k"
 
 
+def test_config_accepts_adapters_on_a_tensor_parallel_target():
+    cfg = AppConfig.model_validate({"targets": [{**target(adapters={"gsm8k": "smollm2-135m-gsm8k"}), "tp_size": 3}]})
+    assert cfg.targets[0].tp_size == 3 and cfg.targets[0].lora.adapters == {"gsm8k": "smollm2-135m-gsm8k"}
+
+
 @pytest.mark.parametrize("spec, fragment", [
     ({"targets": [target(adapters={"x": "/no/such/dir"})]}, "not a peft adapter directory"),
-    ({"targets": [{**target(), "tp_size": 2}]}, "not supported on tensor-parallel targets"),
     ({"targets": [target(adapters={"base": "smollm2-135m-gsm8k"})]}, "must be unique"),
     ({"targets": [target(adapters={"bad name!": "smollm2-135m-gsm8k"})]}, "adapter name"),
     ({"targets": [target(max_loaded=0)]}, "max_loaded"),
