@@ -30,7 +30,7 @@ import torch
 from .budget import RoundObservation, SpeculationBudget
 from .calls import Calls, drive, drive_async
 from .draft import Drafter
-from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from .logprobs import TokenLogprob, prompt_logprobs, scored_prompt_logprobs, token_logprobs
 from .mixed import round_prompt_positions
 from .policy import DraftLengthPolicy, HeuristicK
 from .profile import RoundProfile
@@ -40,7 +40,8 @@ from .steps import stepped_scores
 from .suffix import SuffixStore
 from .target import Verifier
 from .tree import TokenTree, accept_tree
-from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
+from .types import (DraftRequest, PromptScoring, Proposal, RoundResult, SamplingParams, ScoredPrompt, ScoreRequest,
+                    SequenceMetrics)
 
 
 @dataclass(frozen=True)
@@ -365,9 +366,12 @@ class SpecEngine:
             steps = 1
             if plain and argmax_only and not self._wants_prompt_rows(seq):
                 steps = 1 + min(self.plain_steps - 1, max(self._remaining(seq), 0))
+            # The prompt's rows are reduced to its top-n on the verifier: only O(P x n) numbers come back.
+            prompt = PromptScoring(len(d.tokens) - 1, seq.req.logprobs or 0, seq.req.params) \
+                if self._wants_prompt_rows(seq) else None
             out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only,
                                     steps, seq.req.stop_token_ids if steps > 1 else (),
-                                    seq.req.adapter if seq is not None else ""))
+                                    seq.req.adapter if seq is not None else "", prompt))
         return out
 
     @staticmethod
@@ -428,8 +432,13 @@ class SpecEngine:
         return outputs
 
     @staticmethod
-    def _take_prompt_rows(seq: _Sequence, p_logits: torch.Tensor) -> torch.Tensor:
-        """Split the first round's rows: P-1 over the prompt (kept as prompt logprobs), then the round's own."""
+    def _take_prompt_rows(seq: _Sequence, p_logits: torch.Tensor | ScoredPrompt) -> torch.Tensor:
+        """Split the first round's rows: P-1 over the prompt (kept as prompt logprobs), then the round's own. The
+        verifier reduced the prompt's rows (a ScoredPrompt); a verifier that answered full rows has them reduced
+        here, by the same rule."""
+        if isinstance(p_logits, ScoredPrompt):
+            seq.prompt_logprobs = scored_prompt_logprobs(p_logits, seq.req.prompt_ids)
+            return p_logits.logits
         n_prompt = len(seq.req.prompt_ids) - 1
         seq.prompt_logprobs = prompt_logprobs(p_logits[:n_prompt], seq.req.prompt_ids, seq.req.params,
                                               seq.req.logprobs or 0)
