@@ -37,6 +37,7 @@ from .profile import RoundProfile
 from .processors import LogitsProcessor, process_rows, prune_banned
 from .sampling import Sampler, rejection_sample, round_generator
 from .steps import stepped_scores
+from .stop_strings import StopScan
 from .suffix import SuffixStore
 from .target import Verifier
 from .tree import TokenTree, accept_tree
@@ -105,6 +106,7 @@ class _Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
     prefilled: int = 0  # prompt positions sent to the verifier in earlier rounds' chunks (chunked prefill)
+    stops: StopScan | None = None  # the stop-string search over its completion, round by round (with stop strings)
 
     @property
     def tokens(self) -> list[int]:
@@ -126,6 +128,7 @@ class SpecEngine:
         plain_steps: int = 1,
         suffix: SuffixStore | None = None,
         prompt_tokens: int = 0,
+        detokenize_whole: bool = False,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
         # Earlier outputs as candidates (the drafter reads the same store); finished outputs are added here.
@@ -144,6 +147,9 @@ class SpecEngine:
         self.sampler = sampler
         self.max_context = max_context
         self.detokenize = detokenize
+        # Stop strings are searched in each round's new text (core/stop_strings.py); True: in whole decodes, for a
+        # decoder that rewrites text across token edges (clean_up_tokenization_spaces).
+        self.detokenize_whole = detokenize_whole
         self.seqs: dict[str, _Sequence] = {}
         self.profile = RoundProfile()  # where rounds spend their time (draft, verify, prompt, host), for stats
         # The target's logit width (pruning probes rows of it): the verifier's when it says (an in-process target),
@@ -160,7 +166,9 @@ class SpecEngine:
             raise ValueError("max_new_tokens must be >= 1")
         if self.max_context is not None and len(req.prompt_ids) >= self.max_context:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context limit is {self.max_context}")
-        self.seqs[req.seq_id] = _Sequence(req, k=self.policy.initial() if self.drafter else 0)
+        stops = StopScan(req.stop_strings, self.detokenize, req.min_tokens, self.detokenize_whole) \
+            if req.stop_strings and self.detokenize is not None else None
+        self.seqs[req.seq_id] = _Sequence(req, k=self.policy.initial() if self.drafter else 0, stops=stops)
 
     def abort(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)
@@ -465,27 +473,14 @@ class SpecEngine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        if seq.req.stop_strings and self.detokenize is not None:
-            cut = self._stop_string_cut(seq)
+        if seq.stops is not None:
+            cut = seq.stops.extend(emitted)
             if cut is not None:
                 drop = len(seq.generated) - cut
                 del seq.generated[cut:]
                 emitted = emitted[: max(len(emitted) - drop, 0)]
                 seq.finish_reason = "stop"
         return emitted
-
-    def _stop_string_cut(self, seq: _Sequence) -> int | None:
-        """Fewest generated tokens whose text has a stop string ending after the first `min_tokens` tokens' text."""
-        floor, stops = seq.req.min_tokens, seq.req.stop_strings
-        if len(seq.generated) <= floor:
-            return None
-        base = len(self.detokenize(seq.generated[:floor])) if floor else 0
-        if stop_string_at(self.detokenize(seq.generated), stops, base) < 0:
-            return None
-        for n in range(floor + 1, len(seq.generated) + 1):
-            if stop_string_at(self.detokenize(seq.generated[:n]), stops, base) >= 0:
-                return n
-        return None
 
     def _round_facts(self, live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
                      times: tuple[float, float, float], chunks: bool = False) -> dict[str, Any]:
@@ -541,13 +536,6 @@ def _as_tree(prop: Proposal) -> TokenTree:
     parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
     scores = prop.scores if prop.scores is not None else [1.0] * n
     return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores), prop.match_ngram)
-
-
-def stop_string_at(text: str, stops: Collection[str], base: int = 0) -> int:
-    """Where the first stop string in `text` that ends after `base` characters starts, or -1 (vLLM's min_tokens
-    rule: a stop string inside the first min_tokens tokens' text does not count)."""
-    hits = [i for s in stops if (i := text.find(s, max(base - len(s) + 1, 0))) >= 0]
-    return min(hits, default=-1)
 
 
 def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None = None) -> torch.Tensor:

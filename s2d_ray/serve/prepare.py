@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from ..core.engine import GenerationRequest, stop_string_at
+from ..core.engine import GenerationRequest
+from ..core.stop_strings import stop_string_at
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
 from ..prompts import encode_prompt
