@@ -101,3 +101,15 @@ def reduce_rows(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
     if not parts:
         return logprob_rows(head(hidden[:0]), torch.empty(0, dtype=torch.long), params, top_n)
     return tuple(torch.cat(x) for x in zip(*parts))
+
+
+def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None = None) -> torch.Tensor:
+    """The target rows the round's emitted tokens were chosen from -> [n_emitted, V].
+
+    Chain (path None; p_logits [k+1, V]): row i scores the token after committed + draft[:i], and the emitted tokens
+    are accepted drafts then the recovered/bonus token, so they are the first n_emitted rows. Tree (p_logits
+    [1 + n, V], row 0 at the root, row 1 + i after node i): the root row, then the rows after each accepted node.
+    """
+    if path is None:
+        return p_logits[:n_emitted]
+    return p_logits[[0] + [i + 1 for i in path]][:n_emitted]
