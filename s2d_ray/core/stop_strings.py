@@ -11,7 +11,9 @@ the text was complete (no trailing U+FFFD), so the bytes of one character (byte-
 up to 4 tokens) are always decoded together, and a decoder's leading-space rule applies alike to both texts. The text
 of a character still missing bytes (U+FFFD) is searched as the whole decode shows it. A decoder that rewrites text
 across token edges (`clean_up_tokenization_spaces`) makes the window's text differ from the whole text's: `whole`
-decodes the whole completion as before.
+decodes the whole completion as before. A byte-fallback decoder shows a run of byte tokens as U+FFFD, the characters
+it already completed included, while the run's last character misses bytes: in such a round the window's text is no
+extension of the earlier text, and that round is searched in the whole decode.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -13,12 +13,12 @@ from .kernels import STOCK, Kernels
 from .mixed import fold_plan, piece_allowed, pieces
 from .prefix_cache import PrefixCacheSpec
 from .decoder import decoder_parts
+from .logprobs import reduce_rows
 from .lora import LoraBank
 from .rows import (FREE_WIDTH, PREFILL_CHUNK, PendingTree, RowState, RowTable, cache_scope, length_groups,
                    pending_grid)
 from .stack import LayerStack
 from .tree import ancestor_mask, node_depths
-from .logprobs import reduce_rows
 from .types import ScoreRequest, ScoredPrompt
 
 
@@ -234,7 +234,7 @@ class TargetVerifier:
         return len(self.table)
 
 
-def reduce_prompt(head, req: ScoreRequest, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def reduce_prompt(head: Callable[[torch.Tensor], torch.Tensor], req: ScoreRequest, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A request's prompt rows (`req.prompt`) reduced to logprobs on this verifier, from its picked hidden states
     [num_logits, h] (row j at position len(tokens) - num_logits + j scores the token after it)."""
     first = len(req.tokens) - req.num_logits + 1
