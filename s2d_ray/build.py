@@ -304,11 +304,12 @@ class Built:
 
 def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | None, profile: dict | None,
                     max_context: int | None, detokenize: Callable[[list[int]], str] | None,
-                    plain_steps: int = 1) -> SpecEngine:
+                    plain_steps: int = 1, detokenize_whole: bool = False) -> SpecEngine:
     """The one way an engine is made from its collaborators (in-process models, or the router's Ray clients): the
     draft-length policy from the config and the profile, and a warning when the profile models S2D slower.
     `plain_steps`: greedy steps per verifier call in rounds without draft tokens (a served target sets it, since
-    each call costs a round trip)."""
+    each call costs a round trip). `detokenize_whole`: the decoder rewrites text across token edges, so stop strings
+    are searched in whole decodes (SpecEngine)."""
     spec = effective_spec(cfg, profile)
     warn_if_modelled_slower(cfg, profile)
     # One store per engine, so per target: earlier outputs never cross models. Plain decoding (`ar`) keeps none.
@@ -318,7 +319,8 @@ def assemble_engine(cfg: EngineConfig, verifier: Verifier, drafter: Drafter | No
     logger.info("engine: target=%s mode=%s policy=%s k=%d width=%d lookup=%s suffix=%s", cfg.target.name,
                 cfg.spec.mode, spec.policy, spec.k, spec.width, spec.lookup, store_spec)
     return make_engine(verifier, drafter, policy=make_policy(spec), max_context=max_context, detokenize=detokenize,
-                       budget=budget, plain_steps=plain_steps, suffix=suffix, prompt_tokens=cfg.prompt_round_tokens)
+                       budget=budget, plain_steps=plain_steps, suffix=suffix, prompt_tokens=cfg.prompt_round_tokens,
+                       detokenize_whole=detokenize_whole)
 
 
 def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_steps: int = 1) -> Built:
@@ -336,6 +338,6 @@ def build_engine(cfg: EngineConfig, target: LoadedModel | None = None, plain_ste
         cfg, build_verifier(target.model, cfg), build_drafter(draft, cfg) if draft is not None else None, profile,
         max_context=context_window(cfg.target.max_context, target.model.config.to_dict()),
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        plain_steps=plain_steps,
+        plain_steps=plain_steps, detokenize_whole=bool(getattr(tok, "clean_up_tokenization_spaces", False)),
     )
     return Built(engine, target, draft, cfg)

@@ -9,7 +9,9 @@ A round, for every unfinished sequence at once:
   6. report: the round's measured cost and yield go to the load-aware budget, which sizes the next round.
 The drafter and verifier are injected (in-process objects, or deployment clients behind the same calls), and plain
 decoding is the same loop with no drafter. The round is written once (`SpecEngine._round`) and run by a synchronous
-driver (`step`) or an asynchronous one (`step_async`, whose calls may answer awaitables).
+driver (`step`) or an asynchronous one (`step_async`, whose calls may answer awaitables). The request, result and
+per-sequence types are in core/requests.py, step 6's report in core/round_report.py, and the stop-string search in
+core/stop_strings.py.
 
 Logits processors (a request's penalties, biases, bans or grammar; core/processors.py): between propose and verify
 the engine drops the deterministic candidates they ban (`prune`), a row with processors asks the verifier for full
@@ -22,92 +24,30 @@ rows (the distribution tokens were chosen from). A request without processors ta
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Callable, Collection
 
 import torch
 
-from .budget import RoundObservation, SpeculationBudget
+from .budget import SpeculationBudget
 from .calls import Calls, drive, drive_async
 from .draft import Drafter
-from .logprobs import TokenLogprob, prompt_logprobs, token_logprobs
+from .logprobs import TokenLogprob, emitted_rows, prompt_logprobs, scored_prompt_logprobs, token_logprobs
 from .mixed import round_prompt_positions
 from .policy import DraftLengthPolicy, HeuristicK
+from .processors import process_rows, prune_banned
 from .profile import RoundProfile
-from .processors import LogitsProcessor, process_rows, prune_banned
+# The request and result types are the engine's interface: importers take them from here.
+from .requests import GenerationRequest, GenerationResult, SequenceState, StepOutput
+from .round_report import report_round, round_facts
 from .sampling import Sampler, rejection_sample, round_generator
 from .steps import stepped_scores
+from .stop_strings import StopScan
 from .suffix import SuffixStore
 from .target import Verifier
-from .tree import TokenTree, accept_tree
-from .types import DraftRequest, Proposal, RoundResult, SamplingParams, ScoreRequest, SequenceMetrics
+from .tree import accept_tree, proposal_tree
+from .types import DraftRequest, PromptScoring, Proposal, RoundResult, ScoredPrompt, ScoreRequest
 
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    seq_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    params: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    # Stop strings count only where they end after this many generated tokens (vLLM's min_tokens; the stop ids are
-    # banned until then by the request's MinTokens processor).
-    min_tokens: int = 0
-    logprobs: int | None = None  # None: off; 0: the chosen token's logprob; n: also the top-n (core/logprobs.py)
-    prompt_logprobs: bool = False  # score the prompt in the first round (top-n as `logprobs`)
-    speculate: bool = True  # False: plain target steps for this sequence (no draft, no lookup), the per-request opt-out
-    # Applied to every target row with that row's own history (core/processors.py): penalties, biases, bans, grammar.
-    processors: tuple[LogitsProcessor, ...] = ()
-    # Whose earlier outputs this request drafts from and adds its own to (core/suffix.py): "" is the shared scope;
-    # the server passes one per API key when the store is scoped.
-    suffix_scope: str = ""
-    # The LoRA adapter of the target this request decodes with ("" the base): verified per row (core/lora.py); the
-    # draft is the base's for every adapter.
-    adapter: str = ""
-    # The draft's exit thresholds for this request's rows (an adapter's calibration profile); None: the drafter's.
-    draft_thresholds: tuple[float, ...] | None = None
-
-
-@dataclass
-class StepOutput:
-    """Tokens a sequence gained in one round (after stop truncation), and whether it finished."""
-
-    seq_id: str
-    new_tokens: list[int]
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    metrics: dict | None = None  # the sequence's SequenceMetrics.to_dict(), once it finished
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # first round only, when the request asked
-
-
-@dataclass
-class GenerationResult:
-    seq_id: str
-    token_ids: list[int]
-    finish_reason: str
-    metrics: dict[str, Any]
-    text: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-@dataclass
-class _Sequence:
-    req: GenerationRequest
-    k: int
-    generated: list[int] = field(default_factory=list)
-    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
-    started: float = field(default_factory=time.perf_counter)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt was scored
-    prefilled: int = 0  # prompt positions sent to the verifier in earlier rounds' chunks (chunked prefill)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.req.prompt_ids + self.generated
+__all__ = ["GenerationRequest", "GenerationResult", "SpecEngine", "StepOutput"]
 
 
 class SpecEngine:
@@ -125,6 +65,7 @@ class SpecEngine:
         plain_steps: int = 1,
         suffix: SuffixStore | None = None,
         prompt_tokens: int = 0,
+        detokenize_whole: bool = False,
     ) -> None:
         self.verifier, self.drafter = verifier, drafter
         # Earlier outputs as candidates (the drafter reads the same store); finished outputs are added here.
@@ -143,7 +84,10 @@ class SpecEngine:
         self.sampler = sampler
         self.max_context = max_context
         self.detokenize = detokenize
-        self.seqs: dict[str, _Sequence] = {}
+        # Stop strings are searched in each round's new text (core/stop_strings.py); True: in whole decodes, for a
+        # decoder that rewrites text across token edges (clean_up_tokenization_spaces).
+        self.detokenize_whole = detokenize_whole
+        self.seqs: dict[str, SequenceState] = {}
         self.profile = RoundProfile()  # where rounds spend their time (draft, verify, prompt, host), for stats
         # The target's logit width (pruning probes rows of it): the verifier's when it says (an in-process target),
         # else learnt from its first full rows (a deployment client), so nothing is pruned before them.
@@ -159,7 +103,9 @@ class SpecEngine:
             raise ValueError("max_new_tokens must be >= 1")
         if self.max_context is not None and len(req.prompt_ids) >= self.max_context:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the context limit is {self.max_context}")
-        self.seqs[req.seq_id] = _Sequence(req, k=self.policy.initial() if self.drafter else 0)
+        stops = StopScan(req.stop_strings, self.detokenize, req.min_tokens, self.detokenize_whole) \
+            if req.stop_strings and self.detokenize is not None else None
+        self.seqs[req.seq_id] = SequenceState(req, k=self.policy.initial() if self.drafter else 0, stops=stops)
 
     def abort(self, seq_id: str) -> None:
         seq = self.seqs.pop(seq_id, None)
@@ -219,10 +165,11 @@ class SpecEngine:
         t2 = time.perf_counter()
         outputs = []
         if live:
-            facts = self._round_facts(live, requests, proposals, (t0, t1, t2), bool(chunks)) if self._sized else {}
+            facts = round_facts(live, requests, proposals, (t0, t1, t2), bool(chunks)) if self._sized else {}
             outputs = self.commit(live, proposals, logits, (t1 - t0, t2 - t1))
             if self._sized:
-                self._report(live, lengths, drafted, outputs, dict(facts, seconds=time.perf_counter() - t0))
+                report_round(self.budget, live, lengths, drafted, outputs,
+                             dict(facts, seconds=time.perf_counter() - t0), self.seqs)
         kind = "speculative" if any(p.tokens for p in proposals) else "plain"
         # the verification carried prompt positions: a chunk, or a row that had generated nothing when planned
         prompt = bool(chunks) or any(n == len(seq.req.prompt_ids) for seq, n in zip(live, lengths))
@@ -231,7 +178,7 @@ class SpecEngine:
                          t_drafted - t0 if asked else 0.0, t2 - t1, prompt)
         return outputs
 
-    def _live(self, only: Collection[str] | None) -> list[_Sequence]:
+    def _live(self, only: Collection[str] | None) -> list[SequenceState]:
         if only is None:
             return list(self.seqs.values())
         if isinstance(only, str):
@@ -239,7 +186,7 @@ class SpecEngine:
         wanted = set(only)
         return [seq for seq in self.seqs.values() if seq.req.seq_id in wanted]
 
-    def prompt_chunks(self, live: list[_Sequence]) -> dict[str, ScoreRequest | None]:
+    def prompt_chunks(self, live: list[SequenceState]) -> dict[str, ScoreRequest | None]:
         """Step 0: the rows that fill only part of their prompt this round (seq id -> the verifier request of its
         chunk, KV only; None: the row waits for a later round). Only while some row decodes (a round of prompts alone fills them whole, the fastest first
         token) and `prompt_tokens` is set; the round's prompt positions go first come first served and are priced by
@@ -265,7 +212,7 @@ class SpecEngine:
                 chunks[seq.req.seq_id] = None
         return chunks
 
-    def plan(self, live: list[_Sequence]) -> list[DraftRequest]:
+    def plan(self, live: list[SequenceState]) -> list[DraftRequest]:
         """Step 1: the draft request of every live sequence (k = 0 means a plain target step)."""
         plan = None
         if self._sized and self.drafter is not None:
@@ -299,7 +246,7 @@ class SpecEngine:
         has_source = self.budget.shape.lookup or self.suffix is not None
         return has_source and self.budget.lookup_pays(batch)
 
-    def _remaining(self, seq: _Sequence) -> int:
+    def _remaining(self, seq: SequenceState) -> int:
         """Draft tokens this sequence can still use (max_new_tokens and the context limit, after the bonus)."""
         if self._wants_prompt_rows(seq):
             return 0  # the round that scores the whole prompt drafts nothing (a prompt-long chain, never a tree)
@@ -322,7 +269,7 @@ class SpecEngine:
             out[i] = p
         return out
 
-    def prune(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
+    def prune(self, live: list[SequenceState], proposals: list[Proposal]) -> list[Proposal]:
         """Between propose and verify: drop the deterministic candidates a row's processors ban (core/processors.py),
         so they take no verification slot; rows without processors are passed through untouched."""
         if self.vocab is None or not any(seq.req.processors for seq in live):
@@ -330,12 +277,12 @@ class SpecEngine:
         return [prune_banned(seq.req.processors, seq.tokens, p, self.vocab) if seq.req.processors else p
                 for seq, p in zip(live, proposals)]
 
-    def shape_trees(self, live: list[_Sequence], proposals: list[Proposal]) -> list[Proposal]:
+    def shape_trees(self, live: list[SequenceState], proposals: list[Proposal]) -> list[Proposal]:
         """Between propose and verify: keep each tree's most likely nodes, as many as the modelled cost pays for
         (the same count for every row), never deeper than the sequence can still use."""
         if not self.trees or not any(p.tokens for p in proposals):
             return proposals
-        trees = [_as_tree(p) for p in proposals]
+        trees = [proposal_tree(p) for p in proposals]
         acc = self.budget.acceptance
         est = [acc.estimate(t) for t in trees]
         cap = self.budget.node_cap(est)
@@ -365,17 +312,20 @@ class SpecEngine:
             steps = 1
             if plain and argmax_only and not self._wants_prompt_rows(seq):
                 steps = 1 + min(self.plain_steps - 1, max(self._remaining(seq), 0))
+            # The prompt's rows are reduced to its top-n on the verifier: only O(P x n) numbers come back.
+            prompt = PromptScoring(len(d.tokens) - 1, seq.req.logprobs or 0, seq.req.params) \
+                if self._wants_prompt_rows(seq) else None
             out.append(ScoreRequest(d.seq_id, d.tokens + p.tokens, n, p.parents if p.tokens else None, argmax_only,
                                     steps, seq.req.stop_token_ids if steps > 1 else (),
-                                    seq.req.adapter if seq is not None else ""))
+                                    seq.req.adapter if seq is not None else "", prompt))
         return out
 
     @staticmethod
-    def _wants_prompt_rows(seq: _Sequence | None) -> bool:
+    def _wants_prompt_rows(seq: SequenceState | None) -> bool:
         return seq is not None and seq.req.prompt_logprobs and seq.prompt_logprobs is None
 
     def commit(
-        self, live: list[_Sequence], proposals: list[Proposal], logits: list[torch.Tensor], timing: tuple[float, float]
+        self, live: list[SequenceState], proposals: list[Proposal], logits: list[torch.Tensor], timing: tuple[float, float]
     ) -> list[StepOutput]:
         """Steps 4-5: accept, append with stops, update policy and metrics, release finished sequences."""
         outputs = []
@@ -392,7 +342,7 @@ class SpecEngine:
             gen = round_generator(seq.req.params.seed, len(seq.tokens), "accept")
             path = None  # accepted tree nodes (tree rounds only)
             if prop.is_tree and prop.tokens:
-                tree = _as_tree(prop)
+                tree = proposal_tree(prop)
                 path, nxt = accept_tree(tree, p_logits, seq.req.params, gen)
                 n_acc = len(path)
                 on_path = set(path)
@@ -428,22 +378,27 @@ class SpecEngine:
         return outputs
 
     @staticmethod
-    def _take_prompt_rows(seq: _Sequence, p_logits: torch.Tensor) -> torch.Tensor:
-        """Split the first round's rows: P-1 over the prompt (kept as prompt logprobs), then the round's own."""
+    def _take_prompt_rows(seq: SequenceState, p_logits: torch.Tensor | ScoredPrompt) -> torch.Tensor:
+        """Split the first round's rows: P-1 over the prompt (kept as prompt logprobs), then the round's own. The
+        verifier reduced the prompt's rows (a ScoredPrompt); a verifier that answered full rows has them reduced
+        here, by the same rule."""
+        if isinstance(p_logits, ScoredPrompt):
+            seq.prompt_logprobs = scored_prompt_logprobs(p_logits, seq.req.prompt_ids)
+            return p_logits.logits
         n_prompt = len(seq.req.prompt_ids) - 1
         seq.prompt_logprobs = prompt_logprobs(p_logits[:n_prompt], seq.req.prompt_ids, seq.req.params,
                                               seq.req.logprobs or 0)
         return p_logits[n_prompt:]
 
     @staticmethod
-    def _logprobs(seq: _Sequence, rows: torch.Tensor, emitted: list[int]) -> list[TokenLogprob] | None:
+    def _logprobs(seq: SequenceState, rows: torch.Tensor, emitted: list[int]) -> list[TokenLogprob] | None:
         if seq.req.logprobs is None:
             return None
         out = token_logprobs(rows, emitted, seq.req.params, seq.req.logprobs)
         seq.logprobs.extend(out)
         return out
 
-    def _append(self, seq: _Sequence, new_tokens: list[int]) -> list[int]:
+    def _append(self, seq: SequenceState, new_tokens: list[int]) -> list[int]:
         emitted = []
         for tok in new_tokens:
             seq.generated.append(tok)
@@ -456,8 +411,8 @@ class SpecEngine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
-        if seq.req.stop_strings and self.detokenize is not None:
-            cut = self._stop_string_cut(seq)
+        if seq.stops is not None:
+            cut = seq.stops.extend(emitted)
             if cut is not None:
                 drop = len(seq.generated) - cut
                 del seq.generated[cut:]
@@ -465,48 +420,11 @@ class SpecEngine:
                 seq.finish_reason = "stop"
         return emitted
 
-    def _stop_string_cut(self, seq: _Sequence) -> int | None:
-        """Fewest generated tokens whose text has a stop string ending after the first `min_tokens` tokens' text."""
-        floor, stops = seq.req.min_tokens, seq.req.stop_strings
-        if len(seq.generated) <= floor:
-            return None
-        base = len(self.detokenize(seq.generated[:floor])) if floor else 0
-        if stop_string_at(self.detokenize(seq.generated), stops, base) < 0:
-            return None
-        for n in range(floor + 1, len(seq.generated) + 1):
-            if stop_string_at(self.detokenize(seq.generated[:n]), stops, base) >= 0:
-                return n
-        return None
-
-    def _round_facts(self, live: list[_Sequence], requests: list[ScoreRequest], proposals: list[Proposal],
-                     times: tuple[float, float, float], chunks: bool = False) -> dict[str, Any]:
-        """What the budget learns a round by that commit changes (`RoundObservation` fields): the draft's seconds,
-        whether a row filled its prompt (`prompt`; else `batch`, the rows, for a round that may be timed), the
-        verification when it was a one-step decode round, and the most tree nodes a row verified."""
-        t0, t1, t2 = times
-        decode = all(seq.generated for seq in live) and not chunks  # a prompt chunk's forward is no decode cost
-        one_step = decode and not any(r.steps > 1 for r in requests)
-        verify = (t2 - t1, len(requests), max(r.num_logits for r in requests)) if one_step else None
-        return dict(draft_seconds=t1 - t0, verify=verify, batch=len(live) if decode else None, prompt=not decode,
-                    nodes=max((len(p.tokens) for p in proposals), default=0))
-
-    def _report(self, live: list[_Sequence], lengths: list[int], drafted: list[Proposal], outputs: list[StepOutput],
-                facts: dict[str, Any]) -> None:
-        """Step 6: the round's measured cost and yield, to the load-aware budget (`drafted`: the proposals as drafted,
-        before the node budget cut them, so the draft seconds are divided by the depth the draft really ran)."""
-        depths = [_drafted_depth(p) for p in drafted]
-        rows = {seq.req.seq_id: n for seq, n, d in zip(live, lengths, depths) if d > 0}
-        obs = RoundObservation(tokens=sum(len(o.new_tokens) for o in outputs), depth=max(depths, default=0), **facts)
-        self.budget.end_round(obs, rows)
-        for seq in live:
-            if seq.req.seq_id not in self.seqs:  # finished, or aborted while the round was in flight
-                self.budget.release(seq.req.seq_id)
-
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Decode all requests together until each finishes; results in request order."""
         for req in requests:
             self.add_request(req)
-        done: dict[str, _Sequence] = {}
+        done: dict[str, SequenceState] = {}
         tracked = {r.seq_id: self.seqs[r.seq_id] for r in requests}
         while self.has_unfinished:
             for out in self.step():
@@ -519,35 +437,3 @@ class SpecEngine:
             for r in requests
             for s in [done[r.seq_id]]
         ]
-
-
-def _drafted_depth(prop: Proposal) -> int:
-    """How deep the draft itself ran for a proposal: its deepest node with q > 0 (lookup-only nodes score 0)."""
-    tree = _as_tree(prop)
-    return max((d for d, s in zip(tree.depths(), tree.scores) if s > 0), default=0)
-
-
-def _as_tree(prop: Proposal) -> TokenTree:
-    n = len(prop.tokens)
-    parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
-    scores = prop.scores if prop.scores is not None else [1.0] * n
-    return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores), prop.match_ngram)
-
-
-def stop_string_at(text: str, stops: Collection[str], base: int = 0) -> int:
-    """Where the first stop string in `text` that ends after `base` characters starts, or -1 (vLLM's min_tokens
-    rule: a stop string inside the first min_tokens tokens' text does not count)."""
-    hits = [i for s in stops if (i := text.find(s, max(base - len(s) + 1, 0))) >= 0]
-    return min(hits, default=-1)
-
-
-def emitted_rows(p_logits: torch.Tensor, n_emitted: int, path: list[int] | None = None) -> torch.Tensor:
-    """The target rows the round's emitted tokens were chosen from -> [n_emitted, V].
-
-    Chain (path None; p_logits [k+1, V]): row i scores the token after committed + draft[:i], and the emitted tokens
-    are accepted drafts then the recovered/bonus token, so they are the first n_emitted rows. Tree (p_logits
-    [1 + n, V], row 0 at the root, row 1 + i after node i): the root row, then the rows after each accepted node.
-    """
-    if path is None:
-        return p_logits[:n_emitted]
-    return p_logits[[0] + [i + 1 for i in path]][:n_emitted]

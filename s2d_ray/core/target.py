@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -13,12 +13,13 @@ from .kernels import STOCK, Kernels
 from .mixed import fold_plan, piece_allowed, pieces
 from .prefix_cache import PrefixCacheSpec
 from .decoder import decoder_parts
+from .logprobs import reduce_rows
 from .lora import LoraBank
 from .rows import (FREE_WIDTH, PREFILL_CHUNK, PendingTree, RowState, RowTable, cache_scope, length_groups,
                    pending_grid)
 from .stack import LayerStack
 from .tree import ancestor_mask, node_depths
-from .types import ScoreRequest
+from .types import ScoreRequest, ScoredPrompt
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:
@@ -27,7 +28,9 @@ def widen(x: torch.Tensor) -> torch.Tensor:
 
 
 class Verifier(Protocol):
-    """The scorer role: target logits at the last `num_logits` positions of each request's tokens."""
+    """The scorer role: target logits at the last `num_logits` positions of each request's tokens. A request with
+    `prompt` set may be answered with a ScoredPrompt (its leading rows reduced where the logits are) or with full
+    logits (the engine then reduces them itself)."""
 
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]: ...
 
@@ -65,7 +68,8 @@ class TargetVerifier:
 
     @torch.no_grad()
     def score(self, requests: list[ScoreRequest]) -> list[torch.Tensor]:
-        """One forward over every request's uncached positions; returns logits [num_logits, V] per request.
+        """One forward over every request's uncached positions; returns logits [num_logits, V] per request (a
+        ScoredPrompt for a request with `prompt`: its prompt rows reduced here, in blocks, never shipped whole).
 
         Chains and token trees batch together: a tree's nodes take the slots after the prefix in their stored order,
         with RoPE positions by depth and a mask of prefix + ancestors (the accepted path is compacted on the next
@@ -78,6 +82,8 @@ class TargetVerifier:
                 raise ValueError(f"num_logits must be in [1, {len(req.tokens)}], got {req.num_logits}")
             if req.parents is not None and req.num_logits != len(req.parents) + 1:
                 raise ValueError(f"a tree of {len(req.parents)} nodes needs {len(req.parents) + 1} logits")
+            if req.prompt is not None and (req.parents is not None or not 0 <= req.prompt.rows < req.num_logits):
+                raise ValueError(f"prompt rows must be in [0, {req.num_logits - 1}] of a chain, got {req.prompt.rows}")
         keys = self._adapter_keys(requests)
         states, starts, ends = [], [], []
         for req, st, key in zip(requests, self.table.sync_batch([(r.seq_id, r.tokens) for r in requests]), keys):
@@ -101,8 +107,13 @@ class TargetVerifier:
                 for h, i in zip(hidden, group):
                     picked[i] = h[len(h) - requests[i].num_logits :]
                     _computed(states[i], requests[i])
-        logits = widen(self.stack.logits(torch.cat(picked)))  # one LM-head matmul for the whole batch
-        return list(logits.split([req.num_logits for req in requests]))
+        prompts = {i: reduce_prompt(self.stack.logits, req, picked[i]) for i, req in enumerate(requests) if req.prompt}
+        own = [h[req.prompt.rows:] if req.prompt else h for req, h in zip(requests, picked)]
+        logits = widen(self.stack.logits(torch.cat(own)))  # one LM-head matmul for the whole batch
+        out: list = list(logits.split([len(h) for h in own]))
+        for i, (chosen, ids, values) in prompts.items():
+            out[i] = ScoredPrompt(chosen, ids, values, out[i])
+        return out
 
     def _adapter_keys(self, requests: list[ScoreRequest]) -> list[str]:
         """Each row's KV key (LoraBank.key); a row naming an adapter this verifier does not hold is refused."""
@@ -221,6 +232,15 @@ class TargetVerifier:
     @property
     def num_active(self) -> int:
         return len(self.table)
+
+
+def reduce_prompt(head: Callable[[torch.Tensor], torch.Tensor], req: ScoreRequest, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A request's prompt rows (`req.prompt`) reduced to logprobs on this verifier, from its picked hidden states
+    [num_logits, h] (row j at position len(tokens) - num_logits + j scores the token after it)."""
+    first = len(req.tokens) - req.num_logits + 1
+    rows = req.prompt.rows
+    return reduce_rows(lambda h: widen(head(h)), hidden[:rows], req.tokens[first : first + rows], req.prompt.params,
+                       req.prompt.top_n)
 
 
 def _last_pass_start(req: ScoreRequest, start: int, end: int, chunk: int) -> int:

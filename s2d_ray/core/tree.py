@@ -122,6 +122,14 @@ class TokenTree:
                          [self.exits[i] for i in kept], [self.scores[i] for i in kept], self.match_ngram)
 
 
+def proposal_tree(prop: Proposal) -> TokenTree:
+    """A proposal as a tree: a chain is a tree whose node i's parent is i - 1 (scores 1 where it has none)."""
+    n = len(prop.tokens)
+    parents = prop.parents if prop.parents is not None else list(range(-1, n - 1))
+    scores = prop.scores if prop.scores is not None else [1.0] * n
+    return TokenTree(list(prop.tokens), list(parents), list(prop.exits), list(scores), prop.match_ngram)
+
+
 def node_depths(parents: list[int]) -> list[int]:
     """Depth of each node (children of the root have depth 1); parents come before children."""
     d: list[int] = []

@@ -68,6 +68,29 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class PromptScoring:
+    """Reduce a request's first `rows` logit rows to logprobs where the logits are (ScoreRequest.prompt).
+
+    Row j of those scores the token after it in the request's tokens; the answer keeps that token's logprob and the
+    `top_n` most likely (id, logprob) pairs (core/logprobs.py rules for `params`), so a prompt of P tokens costs
+    O(P x top_n) numbers to ship instead of O(P x vocabulary)."""
+
+    rows: int
+    top_n: int = 0
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass
+class ScoredPrompt:
+    """A verifier's answer to a request with `prompt` set: the leading rows reduced, the rest as logits."""
+
+    chosen: torch.Tensor  # [rows] the logprob of each row's next token
+    top_ids: torch.Tensor  # [rows, top_n] long, most likely first
+    top_logprobs: torch.Tensor  # [rows, top_n]
+    logits: torch.Tensor  # [num_logits - rows, V] the round's own rows, as a request without `prompt` gets them
+
+
+@dataclass(frozen=True)
 class ScoreRequest:
     """Ask the verifier for target logits at the last `num_logits` positions of `tokens` (committed + draft)."""
 
@@ -89,6 +112,9 @@ class ScoreRequest:
     # The LoRA adapter this row is verified under ("" the base model): a verifier with a LoraBank (core/lora.py)
     # applies each row's own adapter in the one batched forward.
     adapter: str = ""
+    # Score the leading rows as prompt logprobs on the verifier (its answer is then a ScoredPrompt): only the prompt's
+    # top-n travel back, not its P x vocabulary logits. Chains only, and never the last row (it has no next token).
+    prompt: PromptScoring | None = None
 
 
 @dataclass

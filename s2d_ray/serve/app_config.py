@@ -180,9 +180,9 @@ class Limits(StrictModel):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger HTTP bodies get 413.")
     max_choices: int = Field(16, ge=1, description="Most choices per request (prompts in a batch times n).")
     max_logprobs: int = Field(20, ge=0, description="Largest top-n for logprobs / top_logprobs (OpenAI's is 20).")
-    max_prompt_logprobs_tokens: int = Field(
-        1024, ge=1, description="Longest prompt scored for echo / prompt logprobs (its P x vocabulary logits travel "
-        "from the target deployment to the router once).")
+    max_prompt_logprobs_tokens: int | None = Field(
+        None, ge=1, description="Longest prompt scored for echo / prompt logprobs; None: any prompt max_prompt_tokens "
+        "allows (the target reduces the prompt's rows to top-n itself, so only P x logprobs numbers travel).")
     seq_idle_ttl_s: float = Field(
         900.0, gt=0, description="Deployments drop KV of sequences untouched this long (state leaked by a dead router)."
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from ..core.engine import GenerationRequest, stop_string_at
+from ..core.engine import GenerationRequest
+from ..core.stop_strings import stop_string_at
 from ..core.types import GREEDY_TEMPERATURE, SamplingParams
 from ..errors import RequestError
 from ..prompts import encode_prompt
@@ -91,7 +92,8 @@ def build_processors(info: ModelInfo, req: GenerateRequest, prompt_len: int, sto
 def check_logprobs(req: GenerateRequest, n_prompt: int, limits: Limits) -> None:
     if req.logprobs is not None and req.logprobs > limits.max_logprobs:
         raise RequestError(f"logprobs / top_logprobs is {req.logprobs}; the limit is {limits.max_logprobs}")
-    if req.prompt_logprobs and n_prompt > limits.max_prompt_logprobs_tokens:
+    bound = limits.max_prompt_logprobs_tokens
+    if req.prompt_logprobs and bound is not None and n_prompt > bound:
         raise RequestError(f"prompt has {n_prompt} tokens; with echo / prompt logprobs the limit is "
                            f"{limits.max_prompt_logprobs_tokens}")
 

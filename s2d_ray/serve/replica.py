@@ -16,6 +16,7 @@ import torch
 
 from ..core.sampling import compact_scores
 from ..core.steps import score_steps
+from ..core.types import ScoredPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,8 @@ class Counted(NamedTuple):
 
 def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tuple[list[torch.Tensor], list[int]]:
     """Recomputed tokens per request, then what it ships back: argmax ids for `argmax_only` requests (greedy, no
-    logprobs; the ids of every step for a row asking `steps > 1`), else the logits; run on the model thread."""
+    logprobs; the ids of every step for a row asking `steps > 1`), a ScoredPrompt for a row scoring its prompt (the
+    prompt's top-n, not its logits), else the logits; run on the model thread."""
     recomputed = recomputed_tokens(verifier.table, requests, expected)
     logits = score_steps(verifier.score, requests)
     # Each tensor pickles alone, not the whole batch's storage: host_copy always copies.
@@ -156,9 +158,12 @@ def score_counted(verifier: Any, requests: list[Any], expected: list[int]) -> tu
         recomputed
 
 
-def host_copy(x: torch.Tensor) -> torch.Tensor:
+def host_copy(x: Any) -> Any:
     """A CPU copy of `x` of its own storage: what crosses a deployment boundary. The router and a TP replica hold no
-    GPU (Ray hides it from actors with num_gpus 0), so a CUDA tensor would fail to unpickle there."""
+    GPU (Ray hides it from actors with num_gpus 0), so a CUDA tensor would fail to unpickle there. A ScoredPrompt (a
+    prompt's rows reduced on the verifier) is copied field by field."""
+    if isinstance(x, ScoredPrompt):
+        return ScoredPrompt(*(host_copy(getattr(x, f.name)) for f in dataclasses.fields(x)))
     return x.detach().to("cpu", copy=True)
 
 

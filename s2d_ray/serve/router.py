@@ -31,6 +31,7 @@ from .affinity import Affinity
 from .app_config import AppConfig
 from .choices import first_items, gather_all
 from .clients import DraftClient, TargetClient
+from .detokenize import cleans_up_spaces
 from .draft_deadline import DeadlinePolicy, DraftDeadline
 from .http_api import (
     ApiError, api_error, body_schema, error_response, parse_body, read_body, validation_error,
@@ -140,7 +141,8 @@ class Router:
         ecfg = cfg.engine_config(name)
         target, draft = self._target_client(name), self._draft_client(name) if cfg.uses_draft else None
         engine = assemble_engine(ecfg, target, draft, load_profile(ecfg), info.max_context, info.detokenize,
-                                 plain_steps=spec.plain_steps if spec.tp_size == 1 else 1)
+                                 plain_steps=spec.plain_steps if spec.tp_size == 1 else 1,
+                                 detokenize_whole=cleans_up_spaces(info.tokenizer))
         # Rounds run whole on the process's model thread while no other target of this router has work (the
         # draft and target must both be in this process; `router.whole_rounds`).
         thread = process_model_thread(cfg.num_threads) if cfg.router.whole_rounds and self._in_process else None

@@ -81,6 +81,21 @@ def test_echo_scores_token_id_prompts_like_lm_eval(tiny_app, ref, hf):
         assert body["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
 
 
+def test_echoed_prompt_top_logprobs_equal_a_plain_target_forward(tiny_app, ref, hf):
+    """The prompt's top-n, reduced on the target replica (only P x n numbers reach the router), equal a plain HF
+    forward's: each prompt token's logprob and its top-3 alternatives."""
+    ids = ref.ids("def add(a, b): return a + b  # the quick brown fox")
+    lp = completions(tiny_app, prompt=ids, max_tokens=0, logprobs=3, echo=True)["choices"][0]["logprobs"]
+    logp = raw_logp(hf, ids)
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    for j, (tok, top) in enumerate(zip(ids[1:], lp["top_logprobs"][1:])):
+        assert lp["token_logprobs"][j + 1] == pytest.approx(float(logp[j, tok]), abs=1e-9)
+        values, top_ids = torch.topk(logp[j], 3)
+        expected = {ref.tok.decode([i]): v for i, v in zip(top_ids.tolist(), values.tolist())}
+        expected.setdefault(ref.tok.decode([tok]), float(logp[j, tok]))  # the prompt's own token is listed too
+        assert top == pytest.approx(expected, abs=1e-9)
+
+
 def test_stream_logprobs_and_echo_concatenate_to_the_full_response(tiny_app):
     req = {"model": "tiny-a", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 2, "echo": True}
     full = completions(tiny_app, **req)["choices"][0]

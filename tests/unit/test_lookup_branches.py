@@ -73,9 +73,9 @@ def test_budget_values_lookup_nodes_by_the_suffix_length_they_matched():
     short_req = DraftRequest("b", [7, 5, 6, 8, 1, 2, 9, 8], 0, SamplingParams(), tree=True)
     long_prop, short_prop = lookup.propose([long_req, short_req])
     assert (long_prop.match_ngram, short_prop.match_ngram) == (4, 1)
-    from s2d_ray.core.engine import _as_tree
+    from s2d_ray.core.tree import proposal_tree
 
-    long_tree, short_tree = _as_tree(long_prop), _as_tree(short_prop)
+    long_tree, short_tree = proposal_tree(long_prop), proposal_tree(short_prop)
     assert long_tree.keep(2).match_ngram == 4 and long_tree.keep(0).match_ngram == 4  # survives the node budget
     acc = AcceptanceModel()
     assert acc.estimate(long_tree)[0] > 2.5 * acc.estimate(short_tree)[0]
