@@ -72,7 +72,8 @@ def local_yaml_adapters() -> dict[str, str]:
 
     import yaml
 
-    app = yaml.safe_load((Path(__file__).resolve().parents[2] / "deployments" / "local.yaml").read_text())["applications"][0]["args"]
+    local = Path(__file__).resolve().parents[2] / "deployments" / "local.yaml"
+    app = yaml.safe_load(local.read_text())["applications"][0]["args"]
     base = next(t for t in app["targets"] if t.get("lora"))
     assert base["name"] == "smollm2-135m-instruct"
     return base["lora"]["adapters"]
