@@ -7,7 +7,8 @@ decoding its own requests (what N separate targets do on one machine); S2D with 
 decoding, greedy. Outputs of (a) and (b) are compared token for token.
 
 The adapters are random peft LoRAs of the base (seeded, small so the fine-tunes stay close to the base as real
-ones do; acceptance depends on that), or copies of `--adapter` with seeded noise.
+ones do; acceptance depends on that), or the real adapters given with `--adapter` (paths, or committed adapters'
+names), and beyond as many as were given, copies of them with seeded noise.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def register(bench) -> None:
     add_engine_args(p, mode=False)
     p.add_argument("--adapters", type=lambda s: [int(x) for x in s.split(",")], default=list(ADAPTER_COUNTS),
                    help="adapter counts to measure (comma list; default 1,2,4,8)")
+    p.add_argument("--adapter", action="append", default=[], metavar="PATH_OR_NAME",
+                   help="a real peft adapter of the target (repeatable; a path or a committed adapter's name such as "
+                   "smollm2-135m-gsm8k); counts above those given use noisy copies of them")
     p.add_argument("--rank", type=int, default=8, help="rank of the random adapters")
     p.add_argument("--scale", type=float, default=0.002, help="std of the random adapters' factors")
     p.add_argument("--requests", type=int, default=8, help="requests per measurement, spread over the adapters")
@@ -65,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = [encode_prompt(tok, PROMPTS[i % len(PROMPTS)], chat=True) for i in range(args.requests)]
     most = max(args.adapters)
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [random_adapter(model, Path(tmp) / f"a{i}", i, args.rank, args.scale) for i in range(most)]
+        paths = adapters(model, Path(tmp), most, args)
         report = {"target": args.target, "draft": args.draft, "rank": args.rank, "requests": args.requests,
+                  "adapters": args.adapter or "random",
                   "max_new_tokens": args.max_new_tokens, "memory": memory(model, paths, args.adapters),
                   "throughput": []}
         for method in methods:
@@ -80,6 +85,36 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def adapters(model, tmp: Path, most: int, args: argparse.Namespace) -> list[Path]:
+    """`most` adapter directories: the real ones given (then noisy copies of them), else random ones."""
+    from ..serve.lora_config import adapter_path
+
+    if not args.adapter:
+        return [random_adapter(model, tmp / f"a{i}", i, args.rank, args.scale) for i in range(most)]
+    real = [adapter_path(a) for a in args.adapter]
+    missing = [a for a, p in zip(args.adapter, real) if not (p / "adapter_config.json").is_file()]
+    if missing:
+        raise ValueError(f"--adapter {missing[0]}: not a peft adapter directory (no adapter_config.json)")
+    return [real[i] if i < len(real) else noisy_copy(real[i % len(real)], tmp / f"a{i}", i) for i in range(most)]
+
+
+def noisy_copy(src: Path, path: Path, seed: int, relative: float = 0.1) -> Path:
+    """A copy of the adapter at `src` with seeded noise of `relative` times each factor's std added: another
+    adapter of the same shapes and about the same closeness to the base."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True)
+    shutil.copy(src / "adapter_config.json", path / "adapter_config.json")
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: t + torch.randn(t.shape, generator=gen, dtype=t.dtype) * t.std() * relative
+               for k, t in tensors.items()}, str(path / "adapter_model.safetensors"))
+    return path
 
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -157,7 +192,7 @@ def throughput(args, method: str, loaded, paths: list[Path], prompts: list[list[
         return assemble_engine(cfg, verifier, build_drafter(draft, cfg) if draft is not None else None, profile,
                                max_context=None, detokenize=None)
 
-    bank = LoraBank(max_loaded=len(paths), max_rank=args.rank)
+    bank = LoraBank(max_loaded=len(paths), max_rank=max(read_peft_adapter(p).rank for p in paths))
     one = engine(build_verifier(model, cfg, lora=bank))
     for name, path in zip(names, paths):
         bank.register(read_peft_adapter(path, name))

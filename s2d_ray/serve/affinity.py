@@ -24,13 +24,22 @@ two routers send a prefix to one replica. The choice is pinned into the sequence
 stay there as before, whatever the load does meanwhile. A prompt shorter than a block (too short to be cached) keeps
 the home rule. Ray's own `PrefixCacheAffinityRouter` does not fit: it routes whole requests by their text through a
 shared tree actor, where a call here is one round of many sequences, each already bound to its replica.
+
+Adapter affinity (`router.prefix_routing.adapter_affinity`, targets with `lora:`) places a new sequence of a LoRA
+adapter on a replica that keeps that adapter resident in its stacked slots, so a round's forward does not evict and
+copy in adapters: this router records, per replica, the adapters of the sequences it keeps there, least recently used
+first, bounded like the replica's slots (`lora.max_loaded`; `AdapterResidency`). Among the replicas holding the
+adapter the sequence goes where its adapter and prompt block hash (prefix affinity within the adapter: KV computed
+under one adapter serves only that adapter), under the same load bound; when none holds it, or all are over the
+bound, the next replica in that ranking takes it and loads the adapter (every replica registers every adapter, so any
+replica serves any adapter; the record only steers, it is never needed for a correct answer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,6 +63,10 @@ class PrefixRoutingConfig(BaseModel):
     max_imbalance: int = Field(4, ge=1, description="A router places a new sequence elsewhere once it keeps this many "
                                "more live sequences on the preferred replica than on its least loaded one (per "
                                "deployment): the bound on how unevenly one popular prefix loads the replicas.")
+    adapter_affinity: bool = Field(True, description="Place a new sequence of a LoRA adapter on a replica of its "
+                                   "target that keeps the adapter resident (as this router last placed sequences; "
+                                   "within max_imbalance), else where its adapter and prompt block hash; false: LoRA "
+                                   "rows are placed like any other row. Applies with the prefix cache off too.")
 
 
 def rendezvous_rank(key: str, replica_ids: list[str]) -> list[str]:
@@ -96,6 +109,49 @@ def place_new(prefix: str, replica_ids: list[str], loads: dict[str, int], max_im
     sequences this router keeps there) is under the least loaded replica's plus `max_imbalance`."""
     floor = min(loads.get(r, 0) for r in replica_ids)
     return next(r for r in rendezvous_rank(prefix, replica_ids) if loads.get(r, 0) < floor + max_imbalance)
+
+
+class AdapterResidency:
+    """One router's record of the adapters each replica of a LoRA target keeps resident (module docstring): per
+    replica, the adapters of the sequences this router placed or kept there, least recently used first, at most the
+    replica's `max_loaded` slots (what its LoraBank keeps). Other routers' rows also use the slots, so the record can
+    be stale; it only steers placement."""
+
+    def __init__(self, max_loaded: int) -> None:
+        self.max_loaded = max_loaded
+        self._held: dict[str, OrderedDict[str, None]] = {}
+
+    def used(self, replica: str, adapter: str) -> None:
+        """A round of `adapter` rows goes to `replica`: it binds the adapter there, evicting its least recently
+        used beyond `max_loaded`."""
+        held = self._held.setdefault(replica, OrderedDict())
+        held[adapter] = None
+        held.move_to_end(adapter)
+        while len(held) > self.max_loaded:
+            held.popitem(last=False)
+
+    def holders(self, adapter: str, replica_ids: list[str]) -> list[str]:
+        return [r for r in replica_ids if adapter in self._held.get(r, ())]
+
+    def resident(self) -> dict[str, list[str]]:
+        """Replica -> adapters, least recently used first."""
+        return {r: list(held) for r, held in self._held.items()}
+
+    def forget(self, adapter: str) -> None:
+        """The adapter was unloaded: no replica holds it any more."""
+        for held in self._held.values():
+            held.pop(adapter, None)
+
+
+def place_adapter(adapter: str, prefix: str | None, replica_ids: list[str], loads: dict[str, int],
+                  holders: list[str], max_imbalance: int) -> str:
+    """The replica for a new sequence of `adapter` (module docstring): the replicas holding it first, each group in
+    the rendezvous ranking of the adapter and the prompt's block key (`prefix`, None for a short prompt), the first
+    whose load is under the least loaded replica's plus `max_imbalance`."""
+    ranked = rendezvous_rank(f"lora={adapter}|{prefix or ''}", replica_ids)
+    order = [r for r in ranked if r in holders] + [r for r in ranked if r not in holders]
+    floor = min(loads.get(r, 0) for r in replica_ids)
+    return next(r for r in order if loads.get(r, 0) < floor + max_imbalance)
 
 
 def preferred_order(key: str, replica_ids: list[str], rank: int = 0, routers: int = 1) -> list[str]:
@@ -188,34 +244,44 @@ class Affinity:
     recomputing into `s2d_recomputed_tokens_total{deployment, replica}` (each call counted once, by its caller)."""
 
     def __init__(self, key: str | None, deployment: str, counter: Any = None,
-                 routing: PrefixRoutingConfig | None = None) -> None:
+                 routing: PrefixRoutingConfig | None = None, adapters: AdapterResidency | None = None) -> None:
         self.key, self.deployment, self.counter = key, deployment, counter
         self.routing = routing if routing is not None and routing.enabled else None
+        # A LoRA target's adapter residency per replica (None: adapter rows placed like any other).
+        self.adapters = adapters
+        self.max_imbalance = (routing or PrefixRoutingConfig()).max_imbalance
         self.recomputed: dict[str, int] = {}  # replica -> tokens it recomputed for this client's calls
         self._tokens: dict[str, list[int]] = {}
         self._pins: dict[str, str | None] = {}  # live sequence -> the replica its first call chose (None: home rule)
 
     def key_for(self, seq_id: str, tokens: list[int] | None = None, committed: int = 0,
-                replicas: tuple[str, ...] | None = None) -> str | None:
+                replicas: tuple[str, ...] | None = None, adapter: str = "") -> str | None:
         """The key of a sequence's calls. Its first call (given its `tokens`, of which `committed` are its own, not
-        draft tokens) decides once whether it is pinned, and where (`place`); later calls keep that."""
+        draft tokens, and its LoRA `adapter`) decides once whether it is pinned, and where (`place`); later calls
+        keep that, each recording its adapter as used on its replica."""
         key = sequence_key(self.key, seq_id)
         if key is None:
             return None
         if seq_id not in self._pins and tokens is not None:
-            self._pins[seq_id] = self.place(tokens[:committed], replicas)
+            self._pins[seq_id] = self.place(tokens[:committed], replicas, adapter)
         pin = self._pins.get(seq_id)
+        if pin is not None and adapter and self.adapters is not None:
+            self.adapters.used(pin, adapter)
         return key if pin is None else pinned(key, pin)
 
-    def place(self, prompt: list[int], replicas: tuple[str, ...] | None) -> str | None:
-        """The replica prefix routing puts a new sequence on; None (the home rule) when it is off, the replica set
-        is not known or has one member, or the prompt is shorter than a block."""
-        if self.routing is None or not replicas or len(replicas) < 2:
+    def place(self, prompt: list[int], replicas: tuple[str, ...] | None, adapter: str = "") -> str | None:
+        """The replica a new sequence goes to: by adapter affinity for a LoRA row where it is on, else by prefix
+        routing; None (the home rule) when neither applies, the replica set is not known or has one member, or
+        (prefix routing) the prompt is shorter than a block."""
+        if not replicas or len(replicas) < 2:
             return None
-        prefix = prefix_key(prompt, self.routing.block_tokens)
+        prefix = prefix_key(prompt, self.routing.block_tokens) if self.routing is not None else None
+        if adapter and self.adapters is not None:
+            return place_adapter(adapter, prefix, list(replicas), self.loads(),
+                                 self.adapters.holders(adapter, list(replicas)), self.max_imbalance)
         if prefix is None:
             return None
-        return place_new(prefix, list(replicas), self.loads(), self.routing.max_imbalance)
+        return place_new(prefix, list(replicas), self.loads(), self.max_imbalance)
 
     def loads(self) -> dict[str, int]:
         """Live sequences of this client pinned to each replica."""

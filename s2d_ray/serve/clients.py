@@ -106,7 +106,8 @@ class DeploymentClient:
 
     async def _split(self, rows: list, timeout_s: float, call: Callable[[list[int], str | None], Awaitable]) -> list:
         replicas = live_replicas(self.handle)  # a new sequence is placed by its prompt (affinity.PrefixRoutingConfig)
-        keys = [self.affinity.key_for(r.seq_id, r.tokens, self._committed(r), replicas) for r in rows]
+        keys = [self.affinity.key_for(r.seq_id, r.tokens, self._committed(r), replicas, getattr(r, "adapter", ""))
+                for r in rows]
         return await bounded(split_call(self.handle, keys, call), timeout_s)
 
     @staticmethod

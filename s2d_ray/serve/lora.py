@@ -8,7 +8,7 @@ replica, each adapter's draft thresholds. The config is serve/lora_config.py's; 
 from __future__ import annotations
 
 from ..core.types import ScoreRequest
-from .app_config import router_ceiling
+from .deployment_options import router_ceiling
 from .lora_config import LoadLoraRequest, UnloadLoraRequest, adapter_path
 
 def adapter_parts(requests: list[ScoreRequest], max_loaded: int) -> list[list[int]]:
@@ -77,8 +77,8 @@ class RouterAdapters:
     load/unload of one adapter on every live replica of its base.
 
     A load reaches every replica of the base (each keeps it registered, `max_loaded` of them resident), so any
-    replica can verify any adapter's rows and prefix routing needs no adapter preference. A load that any replica
-    refuses is undone on the others."""
+    replica can verify any adapter's rows; adapter affinity (serve/affinity.py) only steers a new sequence to a
+    replica that holds its adapter resident. A load that any replica refuses is undone on the others."""
 
     def __init__(self, cfg) -> None:
         targets = cfg.targets
@@ -122,6 +122,17 @@ class RouterAdapters:
         from .affinity import each_replica
 
         return await each_replica(handle, lambda key: getattr(handle, method).remote(*args, affinity=key))
+
+
+def adapter_residency(cfg, target: str):
+    """The router's record of which replicas of `target` hold which adapters (serve/affinity.py, adapter affinity);
+    None for a target without `lora:` or with `router.prefix_routing.adapter_affinity` off."""
+    from .affinity import AdapterResidency
+
+    lora = cfg.target(target).lora
+    if lora is None or not cfg.router.prefix_routing.adapter_affinity:
+        return None
+    return AdapterResidency(lora.max_loaded)
 
 
 def _in_use(sched, adapter: str) -> bool:
@@ -174,6 +185,9 @@ async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict
     while _in_use(sched, body.lora_name) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     replies = await RouterAdapters.on_every_replica(router.target_handles[base], "unload_adapter", body.lora_name)
+    for affinity in router.affinities:  # no replica holds it now: the next load of the name starts afresh
+        if affinity.adapters is not None:
+            affinity.adapters.forget(body.lora_name)
     return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base,
             "replicas": sorted(r["replica"] for r in replies)}
 

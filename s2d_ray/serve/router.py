@@ -38,7 +38,7 @@ from .http_api import (
 )
 from .keepalive import settled_within
 from .loaders import load_tokenizer
-from .lora import RouterAdapters, load_adapter, unload_adapter
+from .lora import RouterAdapters, adapter_residency, load_adapter, unload_adapter
 from .lora_config import LoadLoraRequest, UnloadLoraRequest
 from .metrics import ServeMetrics, prefix_cache_totals
 from .metrics_hub import HubPusher
@@ -152,6 +152,7 @@ class Router:
     def _target_client(self, name: str) -> TargetClient:
         """The engine's verifier for one target: its calls' overhead observed in s2d:call_overhead_seconds."""
         affinity = Affinity(self.affinity, f"target-{name}", self.metrics.recomputed_tokens, self._routing)
+        affinity.adapters = adapter_residency(self.cfg, name)  # LoRA rows prefer replicas holding their adapter
         self.affinities.append(affinity)
         times = CallTimes(observe=self.metrics.call_overhead.labels(name, "target").observe)
         return TargetClient(self.target_handles[name], name, self.cfg.limits.score_timeout_s, affinity, times,

@@ -279,9 +279,13 @@ def run_selfdistill(args: argparse.Namespace) -> int:
 
 
 def _register_lora(sub) -> None:
-    p = sub.add_parser("train-lora", help="fit a LoRA adapter on the gsm8k_train rows (the second target)")
+    p = sub.add_parser("train-lora", help="fit a LoRA adapter on instruction rows of some sources (gsm8k_train by "
+                                          "default: the second target)")
     p.add_argument("--base", default=DEFAULT_TARGET)
-    p.add_argument("--data", default=None, help=f"instruction rows with gsm8k_train sources {DATA_HELP}")
+    p.add_argument("--data", default=None, help=f"instruction rows {DATA_HELP}")
+    p.add_argument("--sources", nargs="+", default=["gsm8k_train"],
+                   help="train on rows whose source starts with one of these")
+    p.add_argument("--max-len", type=int, default=320, help="skip rows longer than this many tokens")
     p.add_argument("--out", required=True, help="adapter directory (what PeftModel.save_pretrained writes)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=8)
@@ -305,12 +309,12 @@ def _register_lora(sub) -> None:
 def run_lora(args: argparse.Namespace) -> int:
     from .lora import train_lora
 
-    if args.steps < 1 or args.batch_size < 1:
-        raise ValueError("--steps and --batch-size must be >= 1")
+    if args.steps < 1 or args.batch_size < 1 or args.max_len < 2:
+        raise ValueError("--steps and --batch-size must be >= 1, --max-len >= 2")
     set_threads(args.threads)
     data = Path(args.data) if args.data else data_file(TRAIN_DATA, "--data")
     info = train_lora(args.base, data, Path(args.out), args.steps, args.batch_size, args.lr, args.rank,
-                      seed=args.seed)
+                      max_len=args.max_len, seed=args.seed, sources=tuple(args.sources))
     print(json.dumps(info))
     return 0
 

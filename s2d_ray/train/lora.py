@@ -27,14 +27,18 @@ NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 
 
 def train_lora(base: str, data: Path, out: Path, steps: int, batch_size: int = 8, lr: float = 2e-4,
-               rank: int = 16, max_len: int = 320, seed: int = 0) -> dict:
-    """LoRA (q, k, v, o, up, down, gate) on gsm8k_train rows; loss on assistant tokens; saves a peft adapter."""
+               rank: int = 16, max_len: int = 320, seed: int = 0,
+               sources: tuple[str, ...] = ("gsm8k_train",)) -> dict:
+    """LoRA (q, k, v, o, up, down, gate) on the rows of `sources` (source-name prefixes) no longer than `max_len`
+    tokens; loss on assistant tokens; saves a peft adapter."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     lm = load_model(base, dtype=torch.float32)
-    examples = load_examples([data], lm.tokenizer, "train", sources=["gsm8k_train"])
+    examples = load_examples([data], lm.tokenizer, "train", sources=list(sources))
     examples = [e for e in examples if len(e[0]) <= max_len]
+    if not examples:
+        raise ValueError(f"no train rows of sources {list(sources)} fit in {max_len} tokens")
     # The adapter names its base by the project's model name (what `NamedSource.base` resolves), not by the path of
     # the converted model on this machine.
     model = get_peft_model(lm.model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -59,11 +63,23 @@ def train_lora(base: str, data: Path, out: Path, steps: int, batch_size: int = 8
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    info = {"base": base, "steps": steps, "batch_size": batch_size, "lr": lr, "rank": rank, "seed": seed,
+    name_base(out, base)
+    info = {"base": base, "sources": list(sources), "max_len": max_len, "steps": steps, "batch_size": batch_size,
+            "lr": lr, "rank": rank, "seed": seed,
             "examples_seen": steps * batch_size, "wall_s": round(time.perf_counter() - started, 1),
             "loss_first20": _mean(losses[:20]), "loss_last20": _mean(losses[-20:])}
     (out / "TRAINING.json").write_text(json.dumps(info, indent=2))
     return info
+
+
+def name_base(out: Path, base: str) -> None:
+    """Name the base by the project's model name in the saved adapter_config.json (peft writes the path the base was
+    loaded from, which is this machine's cache) and drop the model card peft writes (an empty template)."""
+    cfg_path = out / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = base
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "README.md").unlink(missing_ok=True)
 
 
 def _mean(xs: list[float]) -> float:

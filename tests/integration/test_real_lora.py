@@ -64,3 +64,52 @@ def test_gsm8k_adapter_per_row_equals_the_merged_target():
         equal_or_near_tie(res.token_ids, ref.token_ids, base, prompt)
     assert [r.token_ids for r in want] != [r.token_ids for r in want_base]  # the adapter changes the output
     assert sum(r.metrics["num_accepted_draft_tokens"] for r in got) > 0
+
+
+def local_yaml_adapters() -> dict[str, str]:
+    """The adapters deployments/local.yaml serves over its instruct target (model name -> adapter)."""
+    from pathlib import Path
+
+    import yaml
+
+    local = Path(__file__).resolve().parents[2] / "deployments" / "local.yaml"
+    app = yaml.safe_load(local.read_text())["applications"][0]["args"]
+    base = next(t for t in app["targets"] if t.get("lora"))
+    assert base["name"] == "smollm2-135m-instruct"
+    return base["lora"]["adapters"]
+
+
+def test_local_yaml_adapters_each_equal_their_merged_target():
+    """Both adapters of local.yaml (the GSM8K one and the code one trained with `s2d train-lora`) and base rows in
+    the same forwards, one sorted draft for all: each row's greedy output equals its own adapter merged and decoded
+    plainly. Negative control: the adapters' merged outputs differ from each other and from the base, so a row
+    verified under the wrong adapter (or none) fails."""
+    from peft import PeftModel
+
+    adapters = local_yaml_adapters()
+    assert len(adapters) >= 2, adapters
+    cfg = EngineConfig(target=TargetConfig(name="smollm2-135m-instruct", dtype="float32"),
+                       draft=DraftConfig(source="smollm2-135m-s2d"), num_threads=1)
+    loaded = load_target(cfg)
+    base, tok = loaded.model, loaded.tokenizer
+    bank = LoraBank(max_loaded=len(adapters), max_rank=16)
+    engine = SpecEngine(TargetVerifier(base, kernels=KERNELS, lora=bank), SortedDrafter(build_draft(
+        cfg, loaded, load_profile(cfg))), policy=FixedK(4))
+    prompts = [encode_prompt(tok, p, chat=True) for p in ("Write a Python function that reverses a string.",
+                                                          PROMPTS[1])]
+    want: dict[str, list[list[int]]] = {}
+    merged: dict[str, torch.nn.Module] = {"": base}
+    for name, where in adapters.items():
+        bank.register(read_peft_adapter(adapter_path(where), name))
+        merged[name] = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_path(where))).merge_and_unload()
+    for name, model in merged.items():
+        plain = SpecEngine(TargetVerifier(model.eval(), kernels=KERNELS))
+        want[name] = [r.token_ids for r in plain.generate([GenerationRequest(f"{name}{i}", p, 24)
+                                                           for i, p in enumerate(prompts)])]
+    rows = [(name, i) for name in merged for i in range(len(prompts))]
+    got = engine.generate([GenerationRequest(f"{name}/{i}", prompts[i], 24, adapter=name) for name, i in rows])
+    for (name, i), res in zip(rows, got):
+        equal_or_near_tie(res.token_ids, want[name][i], merged[name], prompts[i])
+    names = list(merged)
+    assert all(want[a] != want[b] for a in names for b in names if a != b), want  # the wrong adapter would fail
+    assert sum(r.metrics["num_accepted_draft_tokens"] for r in got) > 0

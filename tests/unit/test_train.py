@@ -321,6 +321,21 @@ def test_lora_adapter_trains_and_loads_as_a_named_source(tmp_path, tiny_llama_di
         NAMED_SOURCES.pop("tiny-lora-test", None)
 
 
+def test_lora_adapter_trains_on_the_sources_given(tmp_path, tiny_llama_dir):
+    from s2d_ray.train.lora import train_lora
+
+    rows = write_rows(tmp_path / "rows.jsonl")
+    info = train_lora(str(tiny_llama_dir), rows, tmp_path / "adapter", steps=2, batch_size=2, lr=1e-2, rank=2,
+                      sources=("synthetic",), max_len=512)
+    assert info["sources"] == ["synthetic"] and info["max_len"] == 512
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "TRAINING.json", "adapter_config.json", "adapter_model.safetensors"]  # no empty model card
+    with pytest.raises(ValueError, match="no train rows of sources"):  # none of that source, or none short enough
+        train_lora(str(tiny_llama_dir), rows, tmp_path / "none", steps=1, sources=("nothing",))
+    with pytest.raises(ValueError, match="fit in 2 tokens"):
+        train_lora(str(tiny_llama_dir), rows, tmp_path / "none", steps=1, sources=("synthetic",), max_len=2)
+
+
 def test_export_from_checkpoint_equals_the_saved_draft(tmp_path, tiny_llama_dir):
     from safetensors.torch import load_file
 
