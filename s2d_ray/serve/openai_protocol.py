@@ -9,7 +9,6 @@ prompt_index * n + i); sample i uses seed + i when a seed is given (as vLLM), so
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -19,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..core.logprobs import TokenLogprob
 from ..errors import RequestError
-from ..structured import parse_tool_call
-from ..structured.tools import wire_call
+from ..structured.tools import wire_calls
 from .request_fields import (
     ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice, effective_tool_choice, refuse_unsupported,
 )
+from .tool_deltas import ToolCallDeltas
 
 TOKEN_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id as a decimal string
 MIN_LOGPROB = -9999.0  # -inf (tokens past top-k / top-p) is not JSON; vLLM clamps to the same value
@@ -128,9 +127,7 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         body = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        for call in self.tool_calls or []:
-            body += wire_call(call.function.name, call.function.arguments)
-        return body
+        return body + wire_calls([(c.function.name, c.function.arguments) for c in self.tool_calls or []])
 
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
@@ -226,8 +223,8 @@ class ChatCompletionRequest(OpenAIFields):
     tools: list[Tool] | None = Field(None, description="Functions the model may call (constrained decoding).")
     tool_choice: ToolChoice | None = Field(None, description="none, auto (default with tools), required, or "
                                            "{type: function, function: {name}}.")
-    parallel_tool_calls: bool | None = Field(None, description="Accepted: a response makes at most one call, which "
-                                             "either value allows.")
+    parallel_tool_calls: bool | None = Field(None, description="true (the default, as OpenAI's): a response may "
+                                             "make several tool calls; false: at most one.")
 
     @field_validator("max_tokens")
     @classmethod
@@ -247,6 +244,7 @@ class ChatCompletionRequest(OpenAIFields):
         fields["max_tokens"] = self.max_tokens or self.max_completion_tokens
         fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         fields["tools"], fields["tool_choice"] = self.tools, self.tool_choice
+        fields["parallel_tool_calls"] = self.parallel_tool_calls is not False
         return self.fan_out([{"messages": self.messages}], fields, max_choices)
 
 
@@ -264,6 +262,8 @@ class GenerateRequest(SamplingFields):
     prompt_logprobs: bool = Field(False, description="Also the prompt tokens' logprobs (first token: None).")
     tools: list[Tool] | None = Field(None, description="Functions the model may call (with messages).")
     tool_choice: ToolChoice | None = Field(None, description="As OpenAI's chat tool_choice.")
+    parallel_tool_calls: bool = Field(True, description="As OpenAI's: several calls in one response (one per line "
+                                      "of the output), or at most one.")
     suffix_scope: str | None = Field(None, description="Whose earlier outputs, within the tenant, this request drafts "
                                      "from and adds to under `suffix.scope: api_key` (docs/CACHING.md); the HTTP API "
                                      "derives it from `user` / `safety_identifier`. The output is the same whatever "
@@ -354,7 +354,8 @@ class ChoiceView:
         self.token_bytes = token_bytes or (lambda t: list(token_text(t).encode("utf-8")))
         self.want_logprobs, self.echo_text, self.want_token_ids = logprobs, echo_text, token_ids
         self.offset = 0
-        self.tool_mode, self.streamed, self.call_id = tool_mode, "", "call_" + uuid.uuid4().hex[:24]
+        self.tool_mode = tool_mode
+        self.tools = ToolCallDeltas(tool_mode) if tool_mode is not None else None
 
     def choice(self, part: GenerateChunk | GenerateResponse, chunk: bool, first: bool) -> dict:
         text, lp = part.text, None
@@ -379,29 +380,17 @@ class ChoiceView:
                 "logprobs": lp, **extra}
 
     def _tool_choice(self, text: str, reason: str | None, chunk: bool, first: bool, extra: dict) -> dict:
-        """A chat choice under tools: `tool_calls` (finish_reason tool_calls) or, with auto, plain content. A named
-        function's arguments stream as they are generated (OpenAI's delta.tool_calls); auto and required output is
-        a call only once complete, so it comes whole in the last chunk."""
-        self.streamed += text
-        named = self.tool_mode not in ("auto", "required")
-        if chunk and named:
-            call = {"index": 0, "function": {"arguments": text}}
-            if first:
-                call = {"index": 0, "id": self.call_id, "type": "function",
-                        "function": {"name": self.tool_mode, "arguments": text}}
+        """A chat choice under tools: `tool_calls` (finish_reason tool_calls), one or more, or, with auto, plain
+        content. Streamed, each call comes as OpenAI streams it (tool_deltas.py)."""
+        if chunk:
             delta = {"role": "assistant", "content": None} if first else {}
-            reason = "tool_calls" if reason == "stop" else reason
-            return {"index": self.index, "delta": {**delta, "tool_calls": [call]}, "finish_reason": reason, **extra}
-        message: dict = {"role": "assistant"} if first else {}
-        if reason is not None or not chunk:
-            content, calls = parse_tool_call(self.streamed, self.tool_mode)
-            message["content"] = content
-            if calls:
-                calls[0]["id"] = self.call_id
-                message["tool_calls"] = [{"index": 0, **calls[0]}] if chunk else calls
-                reason = "tool_calls" if reason == "stop" else reason
-        key = "delta" if chunk else "message"
-        return {"index": self.index, key: message, "finish_reason": reason, **extra}
+            delta.update(self.tools.delta(text, done=reason is not None))
+            body: dict = {"delta": delta}
+        else:
+            body = {"message": self.tools.message(text)}
+        if reason == "stop" and self.tools.called:
+            reason = "tool_calls"
+        return {"index": self.index, **body, "finish_reason": reason, **extra}
 
     def _completion_logprobs(self, tokens: list[int], entries: list[TokenLogprob | None]) -> dict:
         strs = [self.token_text(t) for t in tokens]
