@@ -86,7 +86,7 @@ def test_several_calls_and_their_answers_render_back(tool_aware, chatml):
     wire = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
             '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
     out = text(tool_aware, chat("call_a", "call_b"), TOOLS, "auto")
-    assert wire in out and "tool [call_a]sunny" in out and "tool [call_b]rainy" in out  # trim_blocks eats the \\n
+    assert wire in out and "tool [call_a]sunny" in out and "tool [call_b]rainy" in out  # trim_blocks drops the newline
     fallback = text(chatml, chat("call_a", "call_b"), TOOLS, "auto")
     assert wire in fallback and "several calls" in fallback
     assert '{"tool_call_id": "call_a"}\nsunny' in fallback and '{"tool_call_id": "call_b"}\nrainy' in fallback
