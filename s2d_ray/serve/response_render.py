@@ -40,6 +40,7 @@ class ChoiceView:
     first with null. Chat: `{content: [{token, logprob, bytes, top_logprobs: [...]}]}`. Token strings are the tokens
     decoded one by one; offsets count those strings from the start of the choice's text. Chat `bytes` are the
     token's own bytes (`token_bytes`, s2d_ray/token_bytes.py), right for byte-fallback and partial-character tokens.
+    Under tools (`tool_mode`: the effective tool_choice) a chat choice's text becomes its tool calls (tool_deltas.py).
     """
 
     def __init__(self, ids: ResponseIds, index: int, token_text: Callable[[int], str], logprobs: bool,
@@ -50,7 +51,7 @@ class ChoiceView:
         self.want_logprobs, self.echo_text, self.want_token_ids = logprobs, echo_text, token_ids
         self.offset = 0
         self.tool_mode = tool_mode
-        self.tools = ToolCallDeltas(tool_mode) if tool_mode is not None else None
+        self.tools = ToolCallDeltas(tool_mode) if tool_mode is not None else None  # its calls across chunks
 
     def choice(self, part: GenerateChunk | GenerateResponse, chunk: bool, first: bool) -> dict:
         text, lp = part.text, None
