@@ -220,7 +220,8 @@ WRAP = "<tool_call>{}</tool_call>".format
 TOOL_CASES = {"auto": (WRAP(CALL), WRAP(CALL) + "\n" + WRAP(CALL2), "Just text.", "<tool_call>Paris"),
               "required": (CALL, CALL + "\n" + CALL2, None, "Just text."),
               "get_weather": ('{"city": "Paris"}', '{"city": "Paris"}\n{"city": "Oslo"}', None, CALL)}
-SECOND = {"auto": ("add", '{"a": 2}'), "required": ("add", '{"a": 2}'), "get_weather": ("get_weather", '{"city": "Oslo"}')}
+SECOND = {"auto": ("add", '{"a": 2}'), "required": ("add", '{"a": 2}'),
+          "get_weather": ("get_weather", '{"city": "Oslo"}')}
 
 
 def whole_match(grammar, tok, text: str) -> bool:
