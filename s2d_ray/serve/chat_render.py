@@ -55,19 +55,21 @@ def message_dicts(tokenizer, messages) -> list[dict]:
     return out
 
 
-def encode_chat(tokenizer, messages, tools: tuple[ToolSpec, ...] | None, mode: str | None) -> list[int]:
-    """Prompt ids of a chat, tools shown when `mode` (the effective tool_choice) is set."""
+def encode_chat(tokenizer, messages, tools: tuple[ToolSpec, ...] | None, mode: str | None,
+                parallel: bool = True) -> list[int]:
+    """Prompt ids of a chat, tools shown when `mode` (the effective tool_choice) is set; `parallel`: the form asked
+    for allows several calls."""
     dicts = message_dicts(tokenizer, messages)
     if mode is None or not tools:
         return encode_messages(tokenizer, dicts)
     if template_renders_tools(tokenizer):
-        how = tool_instructions(mode) if mode != "auto" else ""
+        how = tool_instructions(mode, parallel) if mode != "auto" else ""
         if how:
             _add_system(dicts, how)
         schemas = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                      "parameters": t.schema}} for t in tools]
         return encode_messages(tokenizer, dicts, tools=schemas)
-    _add_system(dicts, tool_prompt(tools, mode))
+    _add_system(dicts, tool_prompt(tools, mode, parallel))
     return encode_messages(tokenizer, dicts)
 
 

@@ -43,7 +43,8 @@ def encode(info: ModelInfo, req: GenerateRequest) -> list[int]:
         if not any(m.text().strip() for m in req.messages):
             raise RequestError("messages are empty")
         mode = req.tool_mode  # the tools are shown when set (the grammar enforces the call's format)
-        return encode_chat(tok, req.messages, tool_specs(req.tools) if mode is not None else None, mode)
+        return encode_chat(tok, req.messages, tool_specs(req.tools) if mode is not None else None, mode,
+                           req.parallel_tool_calls)
     return encode_prompt(tok, req.prompt or "", chat=False)
 
 
@@ -85,7 +86,8 @@ def build_processors(info: ModelInfo, req: GenerateRequest, prompt_len: int, sto
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=bias_pairs(req.logit_bias, vocab),
         min_tokens=req.min_tokens, bad_words=bad_word_ids(info.tokenizer, req.bad_words))
-    grammar = grammar_of(req.response_format, req.structured_outputs, req.tools, req.tool_choice)
+    grammar = grammar_of(req.response_format, req.structured_outputs, req.tools, req.tool_choice,
+                         req.parallel_tool_calls)
     return request_processors(info.tokenizer, prompt_len, stops, penalties, grammar)
 
 

@@ -17,7 +17,7 @@ STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Accepted and without effect on the output (docs/OPENAI.md says why each is safe).
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
-           "parallel_tool_calls", "request_id")
+           "request_id")
 
 _INSTEAD = "use structured_outputs (docs/OPENAI.md)"
 # Defined by OpenAI or vLLM, not implemented here: a 400 naming the field (and what to do instead, where any).
@@ -153,8 +153,10 @@ class ToolCall(BaseModel):
 
 
 def grammar_of(response_format: ResponseFormat | None, structured: StructuredOutputs | None,
-               tools: list[Tool] | None, tool_choice: ToolChoice | None) -> GrammarSpec | None:
-    """The one constraint a request asks for (at most one of the three kinds), or None."""
+               tools: list[Tool] | None, tool_choice: ToolChoice | None,
+               parallel_tool_calls: bool = True) -> GrammarSpec | None:
+    """The one constraint a request asks for (at most one of the three kinds), or None; tool calls are one or more
+    with `parallel_tool_calls`, else exactly one."""
     choice = effective_tool_choice(tools, tool_choice)
     asked = [n for n, v in (("response_format", response_format if response_format and response_format.type != "text"
                                                else None),
@@ -164,7 +166,7 @@ def grammar_of(response_format: ResponseFormat | None, structured: StructuredOut
     if structured is not None:
         return structured.spec()
     if choice is not None:
-        return tool_grammar(tool_specs(tools or []), choice)
+        return tool_grammar(tool_specs(tools or []), choice, parallel_tool_calls)
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":

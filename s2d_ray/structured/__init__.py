@@ -3,6 +3,8 @@ logits processor that masks every scored position to what the grammar allows nex
 
 from .grammars import GrammarSpec, compile_grammar
 from .processor import GrammarProcessor
+from .tool_calls import read_calls
 from .tools import ToolSpec, parse_tool_call, tool_grammar
 
-__all__ = ["GrammarProcessor", "GrammarSpec", "ToolSpec", "compile_grammar", "parse_tool_call", "tool_grammar"]
+__all__ = ["GrammarProcessor", "GrammarSpec", "ToolSpec", "compile_grammar", "parse_tool_call", "read_calls",
+           "tool_grammar"]

@@ -1,9 +1,11 @@
-"""Tool calls by constrained decoding: the grammar of a call for a `tool_choice`, the system text that shows the
+"""Tool calls by constrained decoding: the grammar of the calls for a `tool_choice`, the system text that shows the
 model its tools, and the parse of the output back into OpenAI's `tool_calls`.
 
-The wire format is one call per response, `{"name": ..., "arguments": {...}}`; with `tool_choice: "auto"` the model
-either answers in text or writes `<tool_call>` + that object + `</tool_call>` (the Hermes / Qwen convention), so text
-that begins with `<tool_call>` is always a call. A named function's output is its arguments object alone.
+A call is written `{"name": ..., "arguments": {...}}`; with `tool_choice: "auto"` the model either answers in text or
+writes `<tool_call>` + that object + `</tool_call>` (the Hermes / Qwen convention), so text that begins with
+`<tool_call>` is always a call. A named function's output is its arguments object alone. With parallel calls
+allowed (OpenAI's `parallel_tool_calls`, on by default) the grammar allows one or more calls, one per line
+(tool_calls.py reads them back); without, exactly one.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .grammars import JSON_OPTIONS, GrammarSpec, check_json_schema
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from .tool_calls import CLOSE, OPEN, SEPARATOR, read_calls
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -52,35 +53,43 @@ def not_prefixed(prefix: str) -> str:
     return "(" + "|".join(alternatives) + ")"
 
 
-def tool_grammar(tools: tuple[ToolSpec, ...], choice: str) -> GrammarSpec:
-    """`choice`: "required", "auto", or a function's name (its arguments only)."""
+def tool_grammar(tools: tuple[ToolSpec, ...], choice: str, parallel: bool = True) -> GrammarSpec:
+    """`choice`: "required", "auto", or a function's name (its arguments only); `parallel`: one or more calls, one
+    per line, instead of exactly one."""
     named = [t for t in tools if t.name == choice]
-    if named:
+    if not parallel and named:
         return GrammarSpec("json_schema", named[0].parameters, "tools")
-    if choice == "required":
+    if not parallel and choice == "required":
         return GrammarSpec.json_schema(call_schema(tools), "tools")
-    call = json.dumps({**call_schema(tools), "x-guidance": JSON_OPTIONS})
-    lark = (f'start: TEXT | "{OPEN}" call "{CLOSE}"\n'
+    schema = named[0].schema if named else call_schema(tools)
+    call = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    sep = json.dumps(SEPARATOR)
+    if named or choice == "required":
+        return GrammarSpec("grammar", f"start: call ({sep} call)*\ncall: %json {call}\n", "tools")
+    wrapped = f'"{OPEN}" call "{CLOSE}"'
+    calls = f"({sep} {wrapped})*" if parallel else ""
+    lark = (f"start: TEXT | {wrapped} {calls}\n"
             f"call: %json {call}\n"
             f"TEXT: /{not_prefixed(OPEN)}/\n")
     return GrammarSpec("grammar", lark, "tools")
 
 
-def tool_instructions(choice: str) -> str:
+def tool_instructions(choice: str, parallel: bool = True) -> str:
     """How to answer under `choice` (the grammar enforces the format either way)."""
+    call = '{"name": <function name>, "arguments": <arguments object>}'
+    several = " To make several calls, write one per line." if parallel else ""
     if choice == "auto":
-        return (f"To call a function, answer with {OPEN}{{\"name\": <function name>, \"arguments\": <arguments "
-                f"object>}}{CLOSE}")
+        return f"To call a function, answer with {OPEN}{call}{CLOSE}{several}"
     if choice == "required":
-        return "Answer with one call: {\"name\": <function name>, \"arguments\": <arguments object>}"
-    return f"Answer with the arguments object of a call to {choice}."
+        return f"Answer with {'one or more calls' if parallel else 'one call'}: {call}{several}"
+    return f"Answer with the arguments object of a call to {choice}.{several}"
 
 
-def tool_prompt(tools: tuple[ToolSpec, ...], choice: str) -> str:
+def tool_prompt(tools: tuple[ToolSpec, ...], choice: str, parallel: bool = True) -> str:
     """The system text that lists the tools and how to call one, for templates that do not render tools."""
     listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.schema})
                         for t in tools)
-    return f"You can call these functions:\n{listing}\n{tool_instructions(choice)}"
+    return f"You can call these functions:\n{listing}\n{tool_instructions(choice, parallel)}"
 
 
 def wire_call(name: str, arguments: str) -> str:
@@ -88,24 +97,22 @@ def wire_call(name: str, arguments: str) -> str:
     return f'{OPEN}{{"name": {json.dumps(name)}, "arguments": {arguments}}}{CLOSE}'
 
 
+def wire_calls(calls: list[tuple[str, str]]) -> str:
+    """Several calls as the model writes them: one per line."""
+    return SEPARATOR.join(wire_call(name, arguments) for name, arguments in calls)
+
+
 def parse_tool_call(text: str, choice: str) -> tuple[str | None, list[dict] | None]:
-    """(content, tool_calls) of an output: a named call's text is its arguments; `required` output is a call
-    object; `auto` output is text unless it starts with the call wrapper. A call cut short (finish_reason length)
-    keeps its partial arguments, as OpenAI's would."""
-    if choice not in ("auto", "required"):
-        return None, [_call(choice, text)]
-    body = text
-    if choice == "auto":
-        if not text.startswith(OPEN):
-            return text, None
-        body = text[len(OPEN):].removesuffix(CLOSE)
-    try:
-        obj = json.loads(body)
-        return None, [_call(obj["name"], json.dumps(obj["arguments"]))]
-    except (ValueError, KeyError, TypeError):
-        return (text, None) if choice == "auto" else (None, [_call("", body)])
+    """(content, tool_calls) of a whole output, each call with its own id: a named call's text is its arguments (one
+    per line); `required` output is call objects (one per line); `auto` output is text unless it starts with the
+    call wrapper. A call cut short (finish_reason length) keeps its partial arguments, as OpenAI's would."""
+    read = read_calls(text, choice, done=True)
+    return read.content, [_call(name, arguments) for name, arguments in read.calls] or None
 
 
 def _call(name: str, arguments: str) -> dict:
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]

@@ -130,6 +130,56 @@ def test_tools_produce_tool_calls(tiny_app):
     assert chat(tiny_app, messages=back, max_tokens=4)["choices"][0]["message"]["role"] == "assistant"
 
 
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+    "additionalProperties": False}}}
+
+
+def test_several_tool_calls_whole_and_streamed(tiny_app):
+    """parallel_tool_calls (true by default) lets a response make several calls: min_tokens holds EOS back past
+    the first call, so the output goes on to more calls, each returned with its own id and streamed at its own index
+    (accumulated by the openai SDK's stream helper to the same calls); with parallel_tool_calls false the same
+    request makes exactly one (the control). Several answers go back as tool messages, one per call id."""
+    import openai
+
+    from serve_helpers import API_KEY
+
+    fields = {"tools": [PICK], "tool_choice": {"type": "function", "function": {"name": "pick"}},
+              "max_tokens": 64}
+    one = chat(tiny_app, parallel_tool_calls=False, return_token_ids=True, **fields)["choices"][0]
+    assert len(one["message"]["tool_calls"]) == 1
+    held = {**fields, "min_tokens": len(one["token_ids"]) + 1}  # EOS is banned where the first call ends
+    still_one = chat(tiny_app, parallel_tool_calls=False, **held)["choices"][0]
+    assert len(still_one["message"]["tool_calls"]) == 1 and still_one["finish_reason"] == "tool_calls"
+    many = chat(tiny_app, **held)["choices"][0]
+    calls = many["message"]["tool_calls"]
+    assert len(calls) >= 2 and len({c["id"] for c in calls}) == len(calls), calls
+    assert many["finish_reason"] in ("tool_calls", "length") and many["message"]["content"] is None
+    complete = calls if many["finish_reason"] == "tool_calls" else calls[:-1]
+    for call in complete:
+        assert call["function"]["name"] == "pick"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PICK["function"]["parameters"])
+    body = {"model": "tiny-a", "temperature": 0, "messages": [{"role": "user", "content": "Give me a person."}],
+            **held}
+    events = sse_events(f"{tiny_app.url}/v1/chat/completions", {**body, "stream": True})
+    pieces = [p for e in events[:-1] for c in e["choices"] for p in c["delta"].get("tool_calls") or []]
+    starts = [p for p in pieces if "id" in p]
+    assert [p["index"] for p in starts] == list(range(len(calls)))
+    assert [p["function"]["name"] for p in starts] == ["pick"] * len(calls)
+    assert [p["index"] for p in pieces] == sorted(p["index"] for p in pieces)  # call i + 1 begins after call i
+    client = openai.OpenAI(base_url=f"{tiny_app.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    with client.chat.completions.stream(model="tiny-a", messages=body["messages"], tools=fields["tools"],
+                                        tool_choice=fields["tool_choice"], max_tokens=64, temperature=0,
+                                        extra_body={"min_tokens": held["min_tokens"]}) as stream:
+        final = stream.get_final_completion().choices[0]
+    got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
+    assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert final.finish_reason == many["finish_reason"] and len({c.id for c in final.message.tool_calls}) == len(got)
+    back = [{"role": "user", "content": "Pick two."}, {"role": "assistant", "content": None, "tool_calls": calls[:2]},
+            *({"role": "tool", "tool_call_id": c["id"], "content": str(i)} for i, c in enumerate(calls[:2]))]
+    assert chat(tiny_app, messages=back, max_tokens=4)["choices"][0]["message"]["role"] == "assistant"
+
+
 BAD = [  # (fields, param)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),

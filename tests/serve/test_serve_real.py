@@ -79,3 +79,33 @@ def test_real_named_tool_call_validates(real_app):
     call = choice["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather"
     jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_real_several_tool_calls_parallel_and_not(real_app):
+    """Asked for the weather in two cities, SmolLM2 under `required` calls the tool once per city when
+    parallel_tool_calls allows it (the default), and once only when it is false (the control); the calls equal plain
+    target decoding's (`speculate: false`, the grammar applied the same way) and the openai SDK's stream helper
+    accumulates the same calls from the stream."""
+    import openai
+
+    from serve_helpers import API_KEY
+
+    ask = "What is the weather in Paris and in Oslo? Call the tool once for each city."
+    fields = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 80}
+
+    def calls(choice: dict) -> list[tuple[str, str]]:
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+
+    many = _chat(real_app, ask, **fields)
+    expected = [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Oslo"}')]
+    assert many["finish_reason"] == "tool_calls" and calls(many) == expected
+    assert len({c["id"] for c in many["message"]["tool_calls"]}) == 2
+    assert calls(_chat(real_app, ask, speculate=False, **fields)) == expected
+    one = _chat(real_app, ask, parallel_tool_calls=False, **fields)
+    assert one["finish_reason"] == "tool_calls" and calls(one) == expected[:1]
+    client = openai.OpenAI(base_url=f"{real_app.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    with client.chat.completions.stream(model="smollm2-135m-instruct", messages=[{"role": "user", "content": ask}],
+                                        temperature=0, **fields) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == expected
+    assert final.finish_reason == "tool_calls"

@@ -42,8 +42,8 @@ def tool_aware():
     return tok
 
 
-def text(tok, msgs, tools=None, mode=None) -> str:
-    return tok.decode(encode_chat(tok, msgs, tools, mode))
+def text(tok, msgs, tools=None, mode=None, parallel=True) -> str:
+    return tok.decode(encode_chat(tok, msgs, tools, mode, parallel))
 
 
 def test_a_template_that_reads_the_fields_gets_them(tool_aware):
@@ -68,3 +68,33 @@ def test_tools_through_the_template_when_it_renders_them(tool_aware, chatml):
     fallback = text(chatml, messages(), TOOLS, "auto")
     assert "You can call these functions" in fallback and '"name": "get_weather"' in fallback
     assert text(tool_aware, messages(), None, None) == text(tool_aware, messages())  # control: no tools, none shown
+
+
+def test_several_calls_and_their_answers_render_back(tool_aware, chatml):
+    """An assistant message with two calls renders them one per line (the form the grammar writes), and each tool
+    answer carries its own call id: through the template that reads `tool_call_id`, and in the text otherwise.
+    Control: the answers' ids swapped render differently."""
+    calls = [{"id": "call_a", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_b", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]
+
+    def chat(first: str, second: str) -> list[ChatMessage]:
+        return [ChatMessage(role="user", content="Weather in Paris and Oslo?"),
+                ChatMessage(role="assistant", content=None, tool_calls=calls),
+                ChatMessage(role="tool", content="sunny", tool_call_id=first),
+                ChatMessage(role="tool", content="rainy", tool_call_id=second)]
+
+    wire = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    out = text(tool_aware, chat("call_a", "call_b"), TOOLS, "auto")
+    assert wire in out and "tool [call_a]sunny" in out and "tool [call_b]rainy" in out  # trim_blocks drops the newline
+    fallback = text(chatml, chat("call_a", "call_b"), TOOLS, "auto")
+    assert wire in fallback and "several calls" in fallback
+    assert '{"tool_call_id": "call_a"}\nsunny' in fallback and '{"tool_call_id": "call_b"}\nrainy' in fallback
+    assert text(tool_aware, chat("call_b", "call_a"), TOOLS, "auto") != out
+
+
+def test_the_form_asked_for_follows_parallel_tool_calls(chatml):
+    several = text(chatml, messages(), TOOLS, "required", True)
+    one = text(chatml, messages(), TOOLS, "required", False)
+    assert "one or more calls" in several and "one per line" in several
+    assert "one call:" in one and "one per line" not in one

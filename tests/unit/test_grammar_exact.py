@@ -21,7 +21,7 @@ from s2d_ray.core.processors import apply_processors
 from s2d_ray.core.sampling import logits_to_probs
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.types import SamplingParams
-from s2d_ray.structured import GrammarProcessor, GrammarSpec, compile_grammar
+from s2d_ray.structured import GrammarProcessor, GrammarSpec, ToolSpec, compile_grammar, tool_grammar
 from test_sampling import tv
 
 EOS = 2  # the tiny tokenizer's <|im_end|>
@@ -249,15 +249,31 @@ class RootMaskOnly(GrammarProcessor):
         return super().__call__(committed, [[]] * len(branches), logits)
 
 
-@pytest.mark.parametrize("mode,wrong", [("chain", False), ("tree", False), ("tree", True)])
-def test_sampling_with_a_grammar_follows_the_masked_target(tok, mode, wrong):
-    """Output tokens 2-3 under a grammar (`a`, `b`, `c` then EOS, at most 5) follow the masked target's joint, for a
+def letters():
+    return GrammarSpec("regex", "[abc]{1,5}"), "abcab cabca"
+
+
+def calls():
+    """Several calls of one function, one per line, whose arguments are one digit: the calls' separator (or EOS) is
+    output token 2, so the joint below is the choice between ending and calling again."""
+    return (tool_grammar((ToolSpec.of("f", {"type": "integer", "minimum": 1, "maximum": 3}, None),), "f", True),
+            "1\n2\n3\n1\n2\n3\n1\n2")
+
+
+@pytest.mark.parametrize("mode,wrong,spec", [("chain", False, letters), ("tree", False, letters),
+                                             ("tree", True, letters), ("tree", False, calls), ("tree", True, calls)])
+def test_sampling_with_a_grammar_follows_the_masked_target(tok, mode, wrong, spec):
+    """Output tokens 2-3 under a grammar (`a`, `b`, `c` then EOS, at most 5; or several tool calls) follow the masked
+    target's joint, for a
     chain sampled with the draft's unmasked q and for a tree of deterministic nodes + lookup; the same processor
     given the committed tokens' history for every row does not (negative control; a chain's unmasked q is rarely
-    accepted under this grammar, so its wrong-history control is in test_processors.py, with penalties)."""
+    accepted under this grammar, so its wrong-history control is in test_processors.py, with penalties; under the
+    calls' grammar it is rarely accepted at all, so the calls are checked with trees, whose lookup follows the
+    prompt's digits and lines)."""
     target = tiny_target(seed=5, vocab_size=len(tok), scale=1.0)
-    grammar = compile_grammar(GrammarSpec("regex", "[abc]{1,5}"), tok)
-    prompt = ids(tok, "abcab cabca")
+    spec, text = spec()
+    grammar = compile_grammar(spec, tok)
+    prompt = ids(tok, text)
     params = SamplingParams(temperature=1.0)
     exact = masked_second_and_third(target, prompt, params, lambda: (GrammarProcessor(grammar, len(prompt), [EOS]),),
                                     len(tok))

@@ -22,6 +22,7 @@ from s2d_ray.core.policy import FixedK
 from s2d_ray.core.target import TargetVerifier
 from s2d_ray.errors import RequestError
 from s2d_ray.structured import GrammarProcessor, GrammarSpec, ToolSpec, compile_grammar, parse_tool_call, tool_grammar
+from s2d_ray.structured.tool_calls import read_calls
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
@@ -145,6 +146,45 @@ def test_constrained_greedy_is_the_same_plain_chain_and_tree(tiny_tok):
     assert [r.token_ids for r in wrong] != plain
 
 
+SMALL_TOOLS = (ToolSpec.of("f", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                "required": ["a"]}, None),
+               ToolSpec.of("g", {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}, None))
+
+
+@pytest.mark.parametrize("choice,min_tokens", [("f", 20), ("required", 45)])
+def test_several_tool_calls_greedy_is_the_same_plain_chain_and_tree(tiny_tok, choice, min_tokens):
+    """The grammar of several calls (one per line) is a logits processor like any: chains and trees (+ lookup) give
+    plain decoding's output token for token. min_tokens holds EOS back past the first call, so the output goes on
+    to a second call where the grammar allows one; without parallel calls it allows none and the output ends after
+    one (the grammar's control), and the branch-blind mask changes the output (the processor's control)."""
+    from s2d_ray.core.penalties import PenaltySpec, penalty_processors
+
+    target = tiny_target(seed=0, vocab_size=len(tiny_tok))
+    prompts = [tiny_tok.encode(p) for p in ("The quick brown fox", "def add(a, b):", "Natalia sold 48 clips")]
+    eos = tiny_tok.eos_token_id
+
+    def run(engine, grammar, kind=GrammarProcessor):
+        reqs = [GenerationRequest(f"g{i}", p, 64, stop_token_ids=(eos,), processors=(
+            *penalty_processors(PenaltySpec(min_tokens=min_tokens), len(p), (eos,)), kind(grammar, len(p), [eos])))
+            for i, p in enumerate(prompts)]
+        return engine.generate(reqs)
+
+    for parallel in (True, False):
+        grammar = compile_grammar(tool_grammar(SMALL_TOOLS, choice, parallel), tiny_tok)
+        runs = {name: run(e, grammar) for name, e in engines(target).items()}
+        plain = [r.token_ids for r in runs["plain"]]
+        for name in ("chain", "tree"):
+            assert [r.token_ids for r in runs[name]] == plain, (name, parallel)
+        assert sum(r.metrics["num_draft_tokens"] for name in ("chain", "tree") for r in runs[name]) > 0
+        for res in runs["plain"]:
+            calls = read_calls(tiny_tok.decode(res.token_ids, skip_special_tokens=True), choice).calls
+            assert len(calls) >= 2 if parallel else len(calls) == 1, (parallel, calls)
+            assert json.loads(calls[0][1]) and {name for name, _ in calls} <= {"f", "g"}  # a later one may be cut
+        if parallel:
+            wrong = run(engines(target)["tree"], grammar, RootMaskOnly)
+            assert [r.token_ids for r in wrong] != plain
+
+
 def test_a_grammar_that_cannot_end_stops_at_length(tiny_tok):
     target = tiny_target(seed=0, vocab_size=len(tiny_tok))
     grammar = compile_grammar(GrammarSpec("regex", "(ab){40}"), tiny_tok)  # 80 characters: more than 12 tokens
@@ -170,27 +210,65 @@ def test_compiles_are_cached(tiny_tok):
     assert compile_grammar(spec, tiny_tok) is compile_grammar(GrammarSpec.json_schema(SCHEMA), tiny_tok)
 
 
-def test_tool_grammars_accept_calls_and_parse_back(smol_tok):
-    tools = (ToolSpec.of("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
-                                         "required": ["city"]}, "Weather"),
-             ToolSpec.of("add", {"type": "object", "properties": {"a": {"type": "integer"}}}, None))
-    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    cases = {"auto": ("<tool_call>" + call + "</tool_call>", "Just text.", "<tool_call>Paris"),
-             "required": (call, None, "Just text."),
-             "get_weather": ('{"city": "Paris"}', None, call)}
-    for choice, (good, text, bad) in cases.items():
-        matcher = compile_grammar(tool_grammar(tools, choice), smol_tok).matcher()
-        for sample, accepted in ((good, True), (text, True), (bad, False)):
-            if sample is None:
-                continue
-            ids = smol_tok.encode(sample)
-            matcher.reset()
-            whole = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
-            assert whole == accepted, (choice, sample)
-        content, calls = parse_tool_call(good, choice)
+TOOLS = (ToolSpec.of("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
+                                     "required": ["city"]}, "Weather"),
+         ToolSpec.of("add", {"type": "object", "properties": {"a": {"type": "integer"}}}, None))
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+CALL2 = '{"name": "add", "arguments": {"a": 2}}'
+WRAP = "<tool_call>{}</tool_call>".format
+# Per tool_choice: (one call, two calls, text, bad) and the two calls' (name, arguments).
+TOOL_CASES = {"auto": (WRAP(CALL), WRAP(CALL) + "\n" + WRAP(CALL2), "Just text.", "<tool_call>Paris"),
+              "required": (CALL, CALL + "\n" + CALL2, None, "Just text."),
+              "get_weather": ('{"city": "Paris"}', '{"city": "Paris"}\n{"city": "Oslo"}', None, CALL)}
+SECOND = {"auto": ("add", '{"a": 2}'), "required": ("add", '{"a": 2}'),
+          "get_weather": ("get_weather", '{"city": "Oslo"}')}
+
+
+def whole_match(grammar, tok, text: str) -> bool:
+    ids = tok.encode(text)
+    matcher = grammar.matcher()
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_grammars_accept_calls_and_parse_back(smol_tok, parallel):
+    """One call (or text, with auto) always; two calls, one per line, only with parallel calls allowed (the control:
+    the same two-call output is refused without); both read back with their names and arguments."""
+    for choice, (one, two, text, bad) in TOOL_CASES.items():
+        grammar = compile_grammar(tool_grammar(TOOLS, choice, parallel), smol_tok)
+        for sample, accepted in ((one, True), (text, True), (bad, False), (two, parallel), (one + "\n", False)):
+            if sample is not None:
+                assert whole_match(grammar, smol_tok, sample) == accepted, (choice, parallel, sample)
+        content, calls = parse_tool_call(one, choice)
         assert content is None and calls[0]["function"]["name"] == "get_weather"
         assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+        content, calls = parse_tool_call(two, choice)
+        assert content is None and len(calls) == 2 and len({c["id"] for c in calls}) == 2
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_weather", '{"city": "Paris"}'), SECOND[choice]]
     assert parse_tool_call("Just text.", "auto") == ("Just text.", None)
+
+
+def test_calls_read_from_every_prefix_only_grow(smol_tok):
+    """Reading an output as it grows (a stream) never takes back what it read: each prefix's text and each call's
+    name and arguments are prefixes of the whole output's reading, the wrapper's closing characters never leak into
+    the arguments, and a call cut short keeps its partial arguments. Control: reading each prefix as if it were the
+    whole output does take things back (where a wrapper follows the arguments)."""
+    for choice, (_, two, text, _) in TOOL_CASES.items():
+        for out in filter(None, (two, text)):
+            whole = read_calls(out, choice)
+            careless = False
+            for cut in range(len(out) + 1):
+                part = read_calls(out[:cut], choice, done=False)
+                assert part.content is None or (whole.content or "").startswith(part.content), (choice, cut)
+                assert len(part.calls) <= len(whole.calls)
+                for (name, args), (whole_name, whole_args) in zip(part.calls, whole.calls):
+                    assert name == whole_name and whole_args.startswith(args), (choice, cut, args)
+                done = read_calls(out[:cut], choice, done=True)
+                careless |= any(not w.startswith(a) for (_, a), (_, w) in zip(done.calls, whole.calls))
+            assert careless == (choice != "get_weather" and out == two), choice  # a named call has no wrapper
+    cut = read_calls(WRAP(CALL)[:WRAP(CALL).index("ris")], "auto")  # finish_reason length inside the arguments
+    assert cut.calls == [("get_weather", '{"city": "Pa')] and cut.content is None
 
 
 def test_cli_json_schema_and_penalty_flags(tiny_llama_dir, tmp_path, capsys):
