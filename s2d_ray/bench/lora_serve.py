@@ -273,11 +273,12 @@ async def load_app(run: LoraServeRun, url: str, prompts: list[str], models: list
     return out
 
 
-def replica_rss(app: str) -> dict[str, int]:
-    """Resident bytes of each of the app's Serve replica processes on this host (by deployment), from /proc: Ray's
-    title of a replica's process holds `ServeReplica:<app>:<deployment>`, then `.<method>` while one runs. Empty
-    where /proc is not there."""
-    out: dict[str, int] = {}
+def replica_rss(app: str) -> dict[str, dict[str, int]]:
+    """Resident bytes of each of the app's Serve replica processes on this host, by deployment, from /proc: `rss`
+    (VmRSS) and `anon` (RssAnon: without the pages of mapped weight files, which the kernel may drop and re-read).
+    Ray's title of a replica's process holds `ServeReplica:<app>:<deployment>`, then `.<method>` while one runs.
+    Empty where /proc is not there."""
+    out: dict[str, dict[str, int]] = {}
     key = f"ServeReplica:{app}:"
     for pid in (p for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
         try:
@@ -290,14 +291,16 @@ def replica_rss(app: str) -> dict[str, int]:
         deployment = (title.split(key, 1)[1].split() or ["?"])[0]
         head, _, method = deployment.rpartition(".")
         deployment = head if head and method.isidentifier() else deployment
-        kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        out[deployment] = out.get(deployment, 0) + kib * 1024
+        fields = {line.split(":")[0]: line.split() for line in status.splitlines()}
+        got = out.setdefault(deployment, {"rss": 0, "anon": 0})
+        for name, field_name in (("rss", "VmRSS"), ("anon", "RssAnon")):
+            got[name] += int(fields[field_name][1]) * 1024 if field_name in fields else 0
     return out
 
 
-def target_rss(app: dict) -> int:
-    """Resident bytes of an app's target replicas (every deployment but the router and the draft)."""
-    return sum(v for k, v in app["replica_rss_bytes"].items() if k.startswith("target"))
+def target_rss(app: dict, kind: str = "rss") -> int:
+    """Resident bytes of an app's target replicas (every deployment but the router, the draft and the metrics hub)."""
+    return sum(v[kind] for k, v in app["replica_rss_bytes"].items() if k.startswith("target"))
 
 
 def compare(row: dict, requests: int) -> dict:
@@ -337,19 +340,19 @@ def summary_line(row: dict) -> str:
 
 def table(report: dict) -> str:
     """Tokens/s of the four runs and their ratios per adapter count, then equality and the targets' memory."""
-    f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    lines = ["| adapters | one base S2D | one base plain | merged S2D | merged plain | S2D/plain one base | "
-             "S2D/plain merged | one base/merged S2D | one base/merged plain |", "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x: "-" if x is None else f"{x:.2f}"
+    lines = [("| adapters | one base S2D | one base plain | merged S2D | merged plain | S2D/plain one base | "
+              "S2D/plain merged | one base/merged S2D | one base/merged plain |"), "|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         tok = [row[k][v]["throughput_tokens_per_s"] for k in APPS for v, _ in VARIANTS]
         r = row["ratio"]
         lines.append(f"| {row['adapters']} | " + " | ".join(f"{t:.1f}" for t in tok) + " | " + " | ".join(
             f(r[k]) for k in ("lora s2d/plain", "merged s2d/plain", "lora/merged s2d", "lora/merged plain")) + " |")
-    lines += ["", "| adapters | equal S2D (one base vs merged) | equal plain | target RSS one base (MiB) | "
-              "target RSS merged (MiB) |", "|---|---|---|---|---|"]
+    lines += ["", ("| adapters | equal S2D (one base vs merged) | equal plain | targets' RSS one base (MiB) | "
+                   "targets' RSS merged (MiB) | anonymous one base | anonymous merged |"), "|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         e = row["equal"]
         eq = [f"{e[k]['equal']}/{e[k]['compared']}" for k in ("lora=merged s2d", "lora=merged plain")]
-        rss = [target_rss(row[k]) / 2**20 for k in APPS]
-        lines.append(f"| {row['adapters']} | {eq[0]} | {eq[1]} | {rss[0]:.0f} | {rss[1]:.0f} |")
+        rss = [target_rss(row[k], m) / 2**20 for m in ("rss", "anon") for k in APPS]
+        lines.append(f"| {row['adapters']} | {eq[0]} | {eq[1]} | " + " | ".join(f"{x:.0f}" for x in rss) + " |")
     return "\n".join(lines) + "\n"

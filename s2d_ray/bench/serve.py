@@ -204,11 +204,11 @@ async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
             i = next_index[0]
             next_index[0] += 1
             item = prompts[i % len(prompts)]
-            model = models[i % len(models)] if by_request and models else model
+            asked = models[i % len(models)] if by_request and models else model
             if isinstance(item, TwoTurns):  # mt-bench: one chat, two requests
-                done = await two_turns(lambda prompt: one_request(client, run, prompt, model), item)
+                done = await two_turns(lambda prompt, m=asked: one_request(client, run, prompt, m), item)
             else:
-                done = [await one_request(client, run, item, model)]
+                done = [await one_request(client, run, item, asked)]
             for result in done:
                 result.prompt_index = i % len(prompts)
                 results.append(result)
