@@ -110,6 +110,11 @@ def check(run: LoraServeRun) -> None:
         raise ConfigError("--requests, --max-tokens, --concurrency and --threads must be >= 1, --warmup >= 0")
     if run.replica_cpus <= 0 or run.timeout <= 0:
         raise ConfigError("--replica-cpus and --timeout must be positive")
+    from ..serve.lora_config import adapter_path
+
+    for a in run.adapter:
+        if not (adapter_path(a) / "adapter_config.json").is_file():
+            raise ConfigError(f"--adapter {a}: not a peft adapter directory (no adapter_config.json)")
 
 
 def start(run: LoraServeRun) -> LoraServeRun:
