@@ -115,6 +115,9 @@ def check(run: LoraServeRun) -> None:
     for a in run.adapter:
         if not (adapter_path(a) / "adapter_config.json").is_file():
             raise ConfigError(f"--adapter {a}: not a peft adapter directory (no adapter_config.json)")
+    names = [adapter_path(a).name for a in run.adapter]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--adapter: each adapter is served under its directory's name, and these repeat: {names}")
 
 
 def start(run: LoraServeRun) -> LoraServeRun:

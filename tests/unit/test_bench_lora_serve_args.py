@@ -40,6 +40,7 @@ def test_the_two_apps_differ_only_in_their_targets(tmp_path):
     (["--requests", "0"], "must be >= 1"),
     (["--replica-cpus", "0"], "--replica-cpus and --timeout must be positive"),
     (["--adapter", "/nonexistent/adapter"], "--adapter /nonexistent/adapter: not a peft adapter directory"),
+    (["--adapter", COMMITTED[0], "--adapter", COMMITTED[0]], "these repeat"),
 ])
 def test_bad_arguments_are_one_line(capsys, args, message):
     assert main(["bench", "lora-serve", *args, "--out", str(Path("/nonexistent/never-written"))]) == 2
