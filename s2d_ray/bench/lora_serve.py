@@ -161,7 +161,8 @@ def measure(run: LoraServeRun) -> dict:
                 if kind == "merged":
                     merge_into(base, dict(zip(names[:n], paths[:n])), merged_dir)
                 cfg = app_args(run, kind, dict(zip(names[:n], paths[:n])), merged_dir, profile)
-                row[kind] = serve_app(run, f"lora-{kind}-{n}", cfg, prompts, names[:n], bar)
+                # this process's id in the name: the replicas' memory is read by their app's name, host-wide
+                row[kind] = serve_app(run, f"lora-{kind}-{n}-{os.getpid()}", cfg, prompts, names[:n], bar)
             row.update(compare(row, run.requests))
             report["rows"].append(row)
             bar.write(summary_line(row))
