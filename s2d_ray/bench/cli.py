@@ -18,13 +18,15 @@ from ..config import DEFAULT_DRAFT, DEFAULT_TARGET
 from ..core.types import SamplingParams
 from ..errors import ConfigError
 from .lora import register as register_lora
+from .lora_serve import register as register_lora_serve
 from .structured import register as register_structured
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: spec (Spec-Bench), steps (per-step costs), plan-check, serve (HTTP "
                        "load), draft-capacity (the shared draft under that load), exits (when deeper exits pay), "
-                       "lora (adapters on one base vs merged targets), gpu-check and gpu-profile (on a GPU)")
+                       "lora and lora-serve (adapters on one base vs merged targets, in process and served), gpu-check "
+                       "and gpu-profile (on a GPU)")
     bench = p.add_subparsers(dest="bench_command", required=True)
     _register_spec(bench)
     _register_steps(bench)
@@ -36,6 +38,7 @@ def register(sub) -> None:
     _register_cluster(bench)
     register_structured(bench)
     register_lora(bench)
+    register_lora_serve(bench)
 
 
 def _default_out(kind: str) -> Path:

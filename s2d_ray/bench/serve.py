@@ -189,9 +189,11 @@ async def one_request(client, run: LoadRun, prompt: str, model: str | None = Non
 
 
 async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
-                    models: list[str] | None = None) -> list[RequestResult]:
+                    models: list[str] | None = None, by_request: bool = False) -> list[RequestResult]:
     """`concurrency` workers share one request budget; nothing new starts after max_seconds. With `models`, worker w
-    asks for models[w % len(models)] (an even split of the workers over several targets), else run.model."""
+    asks for models[w % len(models)] (an even split of the workers over several targets), else run.model; with
+    `by_request` too, request i asks for models[i % len(models)] whichever worker sends it (the same request names
+    the same model in every run, so two runs' outputs compare request by request)."""
     budget = max(run.requests, concurrency)
     next_index = [0]
     results: list[RequestResult] = []
@@ -202,10 +204,11 @@ async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
             i = next_index[0]
             next_index[0] += 1
             item = prompts[i % len(prompts)]
+            asked = models[i % len(models)] if by_request and models else model
             if isinstance(item, TwoTurns):  # mt-bench: one chat, two requests
-                done = await two_turns(lambda prompt: one_request(client, run, prompt, model), item)
+                done = await two_turns(lambda prompt, m=asked: one_request(client, run, prompt, m), item)
             else:
-                done = [await one_request(client, run, item, model)]
+                done = [await one_request(client, run, item, asked)]
             for result in done:
                 result.prompt_index = i % len(prompts)
                 results.append(result)
