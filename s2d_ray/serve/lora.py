@@ -225,13 +225,14 @@ async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict
         raise ApiError(404, f"lora_name: adapter {body.lora_name!r} is not loaded here", "model_not_found",
                        "lora_name")
     _shared_or_one_router(router, base)
-    router.adapters.drop(router.models, body.lora_name)
     deadline = time.monotonic() + wait_s
     if registry is None:
+        router.adapters.drop(router.models, body.lora_name)
         while body.lora_name in in_use([router.schedulers[base]]) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     else:
         version = await registry.retire.remote(body.lora_name, base)
+        router.adapters.drop(router.models, body.lora_name)  # out of the registry first: no fetch brings it back
         await router.adapter_sync.refresh()  # this router's report: the version reached, what it still runs
         while not await registry.drained.remote(body.lora_name, version) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

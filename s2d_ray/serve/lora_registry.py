@@ -3,8 +3,8 @@ replica, so a runtime load or unload reaches them all whichever router took the 
 
 One registry replica (a deployment placed like the metrics hub) holds what changed since the config: adapters
 loaded (name -> base target and directory) and configured adapters unloaded. Each router keeps a copy that it uses
-for at most VIEW_TTL_S: a request for a model name the copy does not have, or for a runtime adapter with a copy
-older than that, first fetches a new one (`AdapterSync.ensure`), and while the router serves requests a loop
+for at most VIEW_TTL_S: a request for a model name the copy does not have, or for an adapter with a copy older
+than that, first fetches a new one (`AdapterSync.ensure`), and while the router serves requests a loop
 refreshes it every SYNC_S and reports which adapters the router's admitted requests use. An unload therefore takes
 the name out of the registry, then waits until every router heard from in the last ROUTER_STALE_S has fetched the
 change and reports no request of it running (bounded by the request timeout), and only then frees it on the
@@ -29,7 +29,9 @@ from ray import serve
 
 logger = logging.getLogger(__name__)
 
-VIEW_TTL_S = 2.0  # a router admits a runtime adapter's request on a copy at most this old
+VIEW_TTL_S = 2.0  # a router admits an adapter's request on a copy at most this old
+CATCH_UP_TIMEOUT_S = 10.0  # the longest wait for the registry's answer (a router keeps its copy, a starting
+# target replica tries again on its next call)
 SYNC_S = 0.5  # how often a serving router refreshes its copy and reports its adapters in use
 ROUTER_STALE_S = 10.0  # a router not heard from for this long is gone (its requests ended with it)
 
@@ -100,15 +102,15 @@ class AdapterSync:
                  in_use: Callable[[], set[str]]) -> None:
         self.registry, self.replica, self.apply, self.in_use = registry, replica, apply, in_use
         self.fetched_at = -1e9  # when the current copy's fetch was sent (monotonic)
-        self.runtime: set[str] = set()  # names the current copy serves beyond the config
         self._fetch: asyncio.Future | None = None
         self._sent = -1e9
         self._loop: asyncio.Task | None = None
 
     async def ensure(self, model: str, known: bool) -> None:
-        """Before a request for `model`: a fresh copy where the name is unknown here (it may have been loaded
-        through another router) or a runtime adapter's copy is older than VIEW_TTL_S (it may have been unloaded)."""
-        if not known or (model in self.runtime and time.monotonic() - self.fetched_at > VIEW_TTL_S):
+        """Before a request for `model` (an adapter or an unknown name, never a target's own): a fresh copy where
+        the name is unknown here (it may have been loaded through another router) or the copy is older than
+        VIEW_TTL_S (the adapter may have been unloaded through another router, configured ones included)."""
+        if not known or time.monotonic() - self.fetched_at > VIEW_TTL_S:
             await self.refresh()
 
     async def refresh(self) -> None:
@@ -127,11 +129,11 @@ class AdapterSync:
 
     async def _refresh_once(self, sent: float) -> None:
         try:
-            copy = await self.registry.sync.remote(self.replica, sorted(self.in_use()))
+            copy = await asyncio.wait_for(self.registry.sync.remote(self.replica, sorted(self.in_use())),
+                                          CATCH_UP_TIMEOUT_S)
         except Exception:  # the registry is being replaced: keep the copy (the unload that needs it waits too)
             logger.warning("adapter registry unreachable", exc_info=True)
             return
-        self.runtime = set(copy["loaded"])
         self.apply(copy["loaded"], copy["removed"])
         self.fetched_at = sent
 

@@ -215,6 +215,8 @@ class Router:
     async def stats(self) -> dict:
         """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
         out: dict = {"router": self.replica, "targets": {}, **device_report(None)}  # rounds' sampling: CPU
+        if self.adapters.registry is not None:
+            await self.adapter_sync.refresh()  # loads and unloads made through other routers
         out["adapters"] = sorted(self.adapters.base_of)  # the LoRA adapter names this router serves now
         # Every deployment is asked at once: one dead replica costs its own bounded wait, not the sum of all of them.
         # The router's own counts are read before the calls: the deployments answer at once too, so the snapshot is

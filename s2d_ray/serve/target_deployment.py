@@ -17,6 +17,7 @@ from ..core.types import ScoreRequest
 from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .lora import new_bank, register_adapter, score_by_adapters
+from .lora_registry import CATCH_UP_TIMEOUT_S
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, device_report, process_model_thread, release_all, replica_id,
     return_freed_memory, sized_rows, split_like, target_window,
@@ -87,7 +88,12 @@ class RuntimeAdapters:
         async with self._lock:  # concurrent first calls wait for the one catch-up
             if self.done:
                 return
-            changes = await self.registry.for_base.remote(self.base)
+            try:
+                changes = await asyncio.wait_for(self.registry.for_base.remote(self.base), CATCH_UP_TIMEOUT_S)
+            except Exception:  # the registry is being replaced: serve what is registered, try again next call
+                logger.warning("target %s: adapter registry unreachable; runtime adapters not registered yet",
+                               self.base, exc_info=True)
+                return
             for name, where in changes["load"].items():
                 loaded = await replica.load_adapter(name, where)
                 if "error" in loaded:  # this replica cannot read it (a path not on its node): its rows fail
