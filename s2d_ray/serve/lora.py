@@ -7,6 +7,7 @@ replica, each adapter's draft thresholds. The config is serve/lora_config.py's; 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from ..core.types import ScoreRequest
@@ -89,6 +90,7 @@ class RouterAdapters:
         self.targets = frozenset(t.name for t in targets)
         self.registry = registry  # serve/lora_registry.py: runtime loads shared by every router (None: this one's)
         self.forget = forget  # the name was unloaded: no replica holds it any more (adapter residency)
+        self.being_prepared: dict[str, int] = {}  # adapter -> its requests admitted, not yet in a scheduler
         self.lora_targets = [t.name for t in targets if t.lora is not None]
         # The draft's thresholds per adapter, from a calibration profile named after it (as a target's is).
         self.thresholds = {a: th for a, base in self.base_of.items()
@@ -107,6 +109,20 @@ class RouterAdapters:
         """(target name, adapter) of a requested model name ("" for a target's own model)."""
         base = self.base_of.get(model)
         return (base, model) if base is not None else (model, "")
+
+    @contextlib.contextmanager
+    def preparing(self, model: str):
+        """While a request for `model` is prepared: an adapter's use before its scheduler holds it."""
+        adapter = model if model in self.base_of else None
+        if adapter is not None:
+            self.being_prepared[adapter] = self.being_prepared.get(adapter, 0) + 1
+        try:
+            yield
+        finally:
+            if adapter is not None:
+                self.being_prepared[adapter] -= 1
+                if not self.being_prepared[adapter]:
+                    del self.being_prepared[adapter]
 
     def serve(self, models: dict, name: str, base: str) -> None:
         """Serve `name` as an adapter of `base` (its model info is the base's, under its own name)."""
@@ -164,9 +180,10 @@ def adapter_residency(cfg, target: str):
     return AdapterResidency(lora.max_loaded)
 
 
-def in_use(schedulers) -> set[str]:
-    """The adapters of the queued and running requests of these schedulers."""
-    return {r.adapter for sched in schedulers for r in sched.waiting.values() if r.adapter} | \
+def in_use(schedulers, adapters: RouterAdapters) -> set[str]:
+    """The adapters of the requests being prepared, queued and running in these schedulers."""
+    return {name for name, n in adapters.being_prepared.items() if n > 0} | \
+        {r.adapter for sched in schedulers for r in sched.waiting.values() if r.adapter} | \
         {s.req.adapter for sched in schedulers for s in sched.engine.seqs.values() if s.req.adapter}
 
 
@@ -228,7 +245,7 @@ async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict
     deadline = time.monotonic() + wait_s
     if registry is None:
         router.adapters.drop(router.models, body.lora_name)
-        while body.lora_name in in_use([router.schedulers[base]]) and time.monotonic() < deadline:
+        while body.lora_name in in_use([router.schedulers[base]], router.adapters) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     else:
         version = await registry.retire.remote(body.lora_name, base)

@@ -39,8 +39,8 @@ from .http_api import (
 from .keepalive import settled_within
 from .loaders import load_tokenizer
 from .lora import RouterAdapters, adapter_residency, in_use, load_adapter, unload_adapter
-from .lora_registry import AdapterSync
 from .lora_config import LoadLoraRequest, UnloadLoraRequest
+from .lora_registry import AdapterSync
 from .metrics import ServeMetrics, prefix_cache_totals
 from .metrics_hub import HubPusher
 from .openai_protocol import (
@@ -117,7 +117,7 @@ class Router:
         self.adapters = RouterAdapters(cfg, lora_registry, self._forget_adapter)
         self.adapter_sync = AdapterSync(lora_registry, self.replica,
                                         lambda loaded, removed: self.adapters.apply(self.models, loaded, removed),
-                                        lambda: in_use(self.schedulers.values()))
+                                        lambda: in_use(self.schedulers.values(), self.adapters))
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
                                   cfg.trust_remote_code)

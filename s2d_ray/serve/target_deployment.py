@@ -82,7 +82,7 @@ class RuntimeAdapters:
         self.done = registry is None
         self._lock = asyncio.Lock()
 
-    async def apply(self, replica: "TargetDeployment") -> None:
+    async def apply(self, replica: TargetDeployment) -> None:
         if self.done:
             return
         async with self._lock:  # concurrent first calls wait for the one catch-up

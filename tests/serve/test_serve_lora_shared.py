@@ -8,7 +8,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-
 from conftest import deploy, undeploy
 from helpers import merge_lora, save_random_lora
 from serve_helpers import AUTH, HTTP_TIMEOUT, Reference, post, replica_actor, wait_until
@@ -86,6 +85,12 @@ def served_per_router(model: str) -> dict[str, float]:
     return {r: sum(c.get(r, 0.0) for c in counts) for r in set().union(*counts)}
 
 
+def finished_at_least(model: str, n: int) -> dict[str, float] | None:
+    """served_per_router once the routers' pushes count `n` requests of `model` (None before)."""
+    counts = served_per_router(model)
+    return counts if sum(counts.values()) >= n else None
+
+
 def test_load_through_one_router_is_served_by_every_router(app, adapters, ref_y):
     r = post(f"{app.url}/v1/load_lora_adapter", {"lora_name": "tiny-a-y", "lora_path": str(adapters["y"])})
     assert r.status_code == 200, r.text
@@ -96,8 +101,7 @@ def test_load_through_one_router_is_served_by_every_router(app, adapters, ref_y)
         assert body.status_code == 200, body.text
         assert body.json()["choices"][0]["text"] == ref_y.text(ref_y.greedy(ref_y.ids(prompt), 12))
     # Both routers served some (else the test would not show the second router learning of the load).
-    per_router = wait_until(lambda: (lambda c: c if sum(c.values()) == REQUESTS else None)(
-        served_per_router("tiny-a-y")), timeout_s=15)
+    per_router = wait_until(lambda: finished_at_least("tiny-a-y", REQUESTS), timeout_s=15)
     assert len([n for n in per_router.values() if n > 0]) == 2, per_router
     assert all("tiny-a-y" in s["adapters"] for s in every_router(app).values())
     # Negative control: an adapter registered on the target replica but not through the registry is served by no
@@ -163,3 +167,40 @@ def test_target_replica_started_after_a_load_serves_it(app, adapters, ref_y):
     assert "tiny-a-y" in new["lora"]["registered"]
     # Negative control: what was registered on the old replica only (not through the registry) is gone.
     assert "tiny-a-z" not in new["lora"]["registered"]
+
+
+LONG = 360  # tokens: requests still running when the unload arrives
+
+
+def test_unload_lets_every_routers_running_requests_finish(app, adapters, ref_y):
+    """An unload through one router waits for the adapter's requests admitted by every router: they all finish,
+    exact, and only then do the target replicas forget it."""
+    import concurrent.futures
+
+    if completion(app, "tiny-a-y", PROMPTS[0]).status_code == 404:  # run alone: load it first
+        r = post(f"{app.url}/v1/load_lora_adapter", {"lora_name": "tiny-a-y", "lora_path": str(adapters["y"])})
+        assert r.status_code == 200, r.text
+    prompts = [p for p in ["Once upon a time", "def add(a, b):", "What is the capital of France?", "1, 2, 3,"]
+               if len(ref_y.greedy(ref_y.ids(p), LONG)) == LONG]  # no early EOS: they run the whole length
+    assert prompts
+    jobs = [prompts[i % len(prompts)] for i in range(6)]
+    before = served_per_router("tiny-a-y")
+
+    def run(prompt: str) -> httpx.Response:
+        return post(f"{app.url}/v1/completions", {"model": "tiny-a-y", "prompt": prompt, "max_tokens": LONG,
+                                                  "temperature": 0})
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        running = [pool.submit(run, p) for p in jobs]
+        wait_until(lambda: any(s["targets"]["tiny-a"]["running"] for s in every_router(app).values()),
+                   timeout_s=30, interval_s=0.02)
+        unload = post(f"{app.url}/v1/unload_lora_adapter", {"lora_name": "tiny-a-y"})
+        assert unload.status_code == 200, unload.text
+        answers = [f.result() for f in running]
+    for prompt, body in zip(jobs, answers):
+        assert body.status_code == 200, body.text
+        assert body.json()["choices"][0]["text"] == ref_y.text(ref_y.greedy(ref_y.ids(prompt), LONG))
+    after = wait_until(lambda: finished_at_least("tiny-a-y", sum(before.values()) + len(jobs)), timeout_s=15)
+    # both routers ran some (else this shows only the unloading router's own wait)
+    assert len([r for r in after if after[r] > before.get(r, 0.0)]) == 2, (before, after)
+    assert completion(app, "tiny-a-y", PROMPTS[0]).status_code == 404
