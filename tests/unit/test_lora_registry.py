@@ -105,3 +105,27 @@ def test_a_router_fetches_for_an_unknown_name_or_a_stale_runtime_copy(monkeypatc
         sync._loop.cancel()
 
     asyncio.run(run())
+
+
+def test_runtime_loads_on_a_target_in_the_router_need_one_router():
+    """Each router holds its own copy of a target placed in it: a runtime load there with several router replicas
+    is a 400 (the registry could not reach the other routers' models); one router replica may load."""
+    import pytest
+
+    from s2d_ray.serve.http_api import ApiError
+    from s2d_ray.serve.lora import _shared_or_one_router
+
+    def router(replicas: int, registry):
+        cfg = AppConfig.model_validate({
+            "targets": [{"name": "smollm2-135m-instruct", "dtype": "float32", "placement": "router",
+                         "lora": {"adapters": {"gsm": "smollm2-135m-gsm8k"}}}],
+            "router": {"num_replicas": replicas}})
+        return type("Router", (), {"cfg": cfg, "adapters": RouterAdapters(cfg, registry)})()
+
+    with pytest.raises(ApiError) as err:
+        _shared_or_one_router(router(2, object()), "smollm2-135m-instruct")
+    assert err.value.status == 400 and "single router replica" in str(err.value)
+    _shared_or_one_router(router(1, object()), "smollm2-135m-instruct")
+    _shared_or_one_router(router(2, object()), None)  # the base is not known yet: checked again once it is
+    with pytest.raises(ApiError):
+        _shared_or_one_router(router(2, None), None)  # no registry: every load needs one router
