@@ -200,7 +200,7 @@ async def load_adapter(router, body: LoadLoraRequest) -> dict:
     try:
         base = router.adapters.base_for_load(body, router.models)
         _shared_or_one_router(router, base)
-        claimed = await registry.claim.remote(body.lora_name, base, body.lora_path) if registry else None
+        claimed = await _ask(registry.claim.remote(body.lora_name, base, body.lora_path)) if registry else None
         if claimed is not None:
             raise ValueError(claimed)
     except ValueError as exc:
@@ -215,10 +215,10 @@ async def load_adapter(router, body: LoadLoraRequest) -> dict:
             raise ApiError(400, errors[0], "invalid_lora_adapter", "lora_path")
     except BaseException:
         if registry is not None:
-            await registry.release.remote(body.lora_name)
+            await _ask(registry.release.remote(body.lora_name))
         raise
     if registry is not None:
-        await registry.commit.remote(body.lora_name)
+        await _ask(registry.commit.remote(body.lora_name))
         await router.adapter_sync.refresh()
     router.adapters.serve(router.models, body.lora_name, base)
     return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base, "router": router.replica,
@@ -248,15 +248,29 @@ async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict
         while body.lora_name in in_use([router.schedulers[base]], router.adapters) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
     else:
-        version = await registry.retire.remote(body.lora_name, base)
+        version = await _ask(registry.retire.remote(body.lora_name, base))
         router.adapters.drop(router.models, body.lora_name)  # out of the registry first: no fetch brings it back
         await router.adapter_sync.refresh()  # this router's report: the version reached, what it still runs
-        while not await registry.drained.remote(body.lora_name, version) and time.monotonic() < deadline:
+        while not await _ask(registry.drained.remote(body.lora_name, version)) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
             await router.adapter_sync.refresh()
     replies = await RouterAdapters.on_every_replica(router.target_handles[base], "unload_adapter", body.lora_name)
     return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base, "router": router.replica,
             "replicas": sorted(r["replica"] for r in replies)}
+
+
+async def _ask(call):
+    """A call to the adapter registry, bounded: a 503 when it does not answer (Serve is replacing it)."""
+    import asyncio
+
+    from .http_api import ApiError
+    from .lora_registry import CATCH_UP_TIMEOUT_S
+
+    try:
+        return await asyncio.wait_for(call, CATCH_UP_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the adapter registry did not answer in {CATCH_UP_TIMEOUT_S:.0f} s; try again",
+                       "service_unavailable", type_="server_error", retry_after_s=1.0) from None
 
 
 def _shared_or_one_router(router, base: str | None) -> None:
