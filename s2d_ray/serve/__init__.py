@@ -26,11 +26,18 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     metrics hub, router."""
     from .affinity_router import affinity_router_config
     from .draft_deployment import DraftDeployment
+    from .lora_registry import AdapterRegistryDeployment
     from .metrics_hub import MetricsHubDeployment
     from .router import Router
     from .target_deployment import TargetDeployment
 
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    # runtime LoRA loads shared by every router and target replica; placed like the metrics hub (below)
+    hub_actor = {"num_cpus": 0, "resources": {k: min(v, 0.01) for k, v in cfg.router.resources.items()}}
+    registry = None
+    if any(t.lora is not None for t in cfg.targets):
+        registry = AdapterRegistryDeployment.options(
+            **cfg.deployment_options({"ray_actor_options": hub_actor})).bind()
     draft = None
     if cfg.draft_deployment:  # else the router loads the draft itself (draft.placement: router)
         draft = DraftDeployment.options(name="draft", request_router_config=affinity_router_config(),
@@ -38,7 +45,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     targets = {
         t.name: TargetDeployment.options(name=f"target-{t.name}", request_router_config=affinity_router_config(),
                                          **cfg.deployment_options(t.serve_options()), **t.placement_group())
-        .bind(cfg, t.name)
+        .bind(cfg, t.name, registry)
         for t in cfg.deployed_targets  # the others are loaded by the router (placement: router)
     }
     logger.info("s2d app: targets=%s (in the router: %s) draft=%s (%s) mode=%s", [t.name for t in cfg.targets],
@@ -50,6 +57,5 @@ def build_app(args: dict[str, Any] | AppConfig) -> "Application":
     router.setdefault("graceful_shutdown_timeout_s", cfg.limits.request_timeout_s)
     # one aggregation point for /metrics across router replicas; no CPU reserved (a dict sum once a second per router),
     # on the routers' kind of node (their custom resources, a sliver of each)
-    hub_actor = {"num_cpus": 0, "resources": {k: min(v, 0.01) for k, v in cfg.router.resources.items()}}
     hub = MetricsHubDeployment.options(**cfg.deployment_options({"ray_actor_options": hub_actor})).bind()
-    return Router.options(name="router", **router).bind(cfg, draft, targets, hub)
+    return Router.options(name="router", **router).bind(cfg, draft, targets, hub, registry)

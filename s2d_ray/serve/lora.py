@@ -7,6 +7,9 @@ replica, each adapter's draft thresholds. The config is serve/lora_config.py's; 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 from ..core.types import ScoreRequest
 from .deployment_options import router_ceiling
 from .lora_config import LoadLoraRequest, UnloadLoraRequest, adapter_path
@@ -80,9 +83,14 @@ class RouterAdapters:
     replica can verify any adapter's rows; adapter affinity (serve/affinity.py) only steers a new sequence to a
     replica that holds its adapter resident. A load that any replica refuses is undone on the others."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, registry=None, forget: Callable[[str], None] = lambda name: None) -> None:
         targets = cfg.targets
         self.base_of: dict[str, str] = {a: t.name for t in targets if t.lora for a in t.lora.adapters}
+        self.configured = frozenset(self.base_of)
+        self.targets = frozenset(t.name for t in targets)
+        self.registry = registry  # serve/lora_registry.py: runtime loads shared by every router (None: this one's)
+        self.forget = forget  # the name was unloaded: no replica holds it any more (adapter residency)
+        self.being_prepared: dict[str, int] = {}  # adapter -> its requests admitted, not yet in a scheduler
         self.lora_targets = [t.name for t in targets if t.lora is not None]
         # The draft's thresholds per adapter, from a calibration profile named after it (as a target's is).
         self.thresholds = {a: th for a, base in self.base_of.items()
@@ -101,6 +109,43 @@ class RouterAdapters:
         """(target name, adapter) of a requested model name ("" for a target's own model)."""
         base = self.base_of.get(model)
         return (base, model) if base is not None else (model, "")
+
+    @contextlib.contextmanager
+    def preparing(self, model: str):
+        """While a request for `model` is prepared: an adapter's use before its scheduler holds it."""
+        adapter = model if model in self.base_of else None
+        if adapter is not None:
+            self.being_prepared[adapter] = self.being_prepared.get(adapter, 0) + 1
+        try:
+            yield
+        finally:
+            if adapter is not None:
+                self.being_prepared[adapter] -= 1
+                if not self.being_prepared[adapter]:
+                    del self.being_prepared[adapter]
+
+    def serve(self, models: dict, name: str, base: str) -> None:
+        """Serve `name` as an adapter of `base` (its model info is the base's, under its own name)."""
+        from dataclasses import replace
+
+        if self.base_of.get(name) != base or name not in models:
+            self.base_of[name] = base
+            models[name] = replace(models[base], name=name)
+
+    def drop(self, models: dict, name: str) -> None:
+        """Stop serving adapter `name`: new requests for it 404."""
+        if self.base_of.pop(name, None) is not None:
+            models.pop(name, None)
+            self.forget(name)
+
+    def apply(self, models: dict, loaded: dict[str, str], removed: dict[str, str]) -> None:
+        """A copy of the registry: serve its runtime loads, drop runtime adapters it no longer has and configured
+        ones it unloaded."""
+        for name, base in loaded.items():
+            self.serve(models, name, base)
+        for name in list(self.base_of):
+            if name not in loaded and (name not in self.configured or name in removed):
+                self.drop(models, name)
 
     def base_for_load(self, body: LoadLoraRequest, models: dict) -> str:
         """Which target a load goes to; ValueError (a 400) for a name taken or no target to take it."""
@@ -135,70 +180,109 @@ def adapter_residency(cfg, target: str):
     return AdapterResidency(lora.max_loaded)
 
 
-def _in_use(sched, adapter: str) -> bool:
-    """Whether a queued or running request of this scheduler decodes with `adapter`."""
-    return any(r.adapter == adapter for r in sched.waiting.values()) or \
-        any(s.req.adapter == adapter for s in sched.engine.seqs.values())
+def in_use(schedulers, adapters: RouterAdapters) -> set[str]:
+    """The adapters of the requests being prepared, queued and running in these schedulers."""
+    return {name for name, n in adapters.being_prepared.items() if n > 0} | \
+        {r.adapter for sched in schedulers for r in sched.waiting.values() if r.adapter} | \
+        {s.req.adapter for sched in schedulers for s in sched.engine.seqs.values() if s.req.adapter}
 
 
 async def load_adapter(router, body: LoadLoraRequest) -> dict:
-    """POST /v1/load_lora_adapter: register on every replica of the base, then serve the name; ApiError 400 for a
-    bad adapter (every replica's registration undone, nothing else changed)."""
-    from dataclasses import replace
-
+    """POST /v1/load_lora_adapter: claim the name in the app's registry, register on every replica of the base,
+    then serve the name (every router, from its next copy of the registry); ApiError 400 for a bad adapter (every
+    replica's registration undone, nothing else changed)."""
     from .http_api import ApiError
 
-    _one_router(router)
+    registry = router.adapters.registry
+    _shared_or_one_router(router, body.base_model)
+    if registry is not None:
+        await router.adapter_sync.refresh()  # a name loaded through another router is taken
     try:
         base = router.adapters.base_for_load(body, router.models)
+        _shared_or_one_router(router, base)
+        claimed = await _ask(registry.claim.remote(body.lora_name, base, body.lora_path)) if registry else None
+        if claimed is not None:
+            raise ValueError(claimed)
     except ValueError as exc:
         field = str(exc).partition(":")[0]
         raise ApiError(400, str(exc), "invalid_value", field) from None
     handle = router.target_handles[base]
-    replies = await RouterAdapters.on_every_replica(handle, "load_adapter", body.lora_name, body.lora_path)
-    errors = [r["error"] for r in replies if "error" in r]
-    if errors:
-        await RouterAdapters.on_every_replica(handle, "unload_adapter", body.lora_name)
-        raise ApiError(400, errors[0], "invalid_lora_adapter", "lora_path")
-    router.adapters.base_of[body.lora_name] = base
-    router.models[body.lora_name] = replace(router.models[base], name=body.lora_name)
-    return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base,
+    try:
+        replies = await RouterAdapters.on_every_replica(handle, "load_adapter", body.lora_name, body.lora_path)
+        errors = [r["error"] for r in replies if "error" in r]
+        if errors:
+            await RouterAdapters.on_every_replica(handle, "unload_adapter", body.lora_name)
+            raise ApiError(400, errors[0], "invalid_lora_adapter", "lora_path")
+    except BaseException:
+        if registry is not None:
+            await _ask(registry.release.remote(body.lora_name))
+        raise
+    if registry is not None:
+        await _ask(registry.commit.remote(body.lora_name))
+        await router.adapter_sync.refresh()
+    router.adapters.serve(router.models, body.lora_name, base)
+    return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base, "router": router.replica,
             "replicas": sorted(r["replica"] for r in replies)}
 
 
 async def unload_adapter(router, body: UnloadLoraRequest, wait_s: float) -> dict:
-    """POST /v1/unload_lora_adapter: new requests for the name get 404 at once; requests already admitted finish
-    (up to `wait_s`), then every replica forgets it."""
+    """POST /v1/unload_lora_adapter: new requests for the name get 404 at once on this router, and on every router
+    before this returns; requests already admitted (on any router) finish, up to `wait_s`; then every replica
+    forgets it."""
     import asyncio
     import time
 
     from .http_api import ApiError
 
-    _one_router(router)
+    registry = router.adapters.registry
+    if registry is not None:
+        await router.adapter_sync.refresh()  # a name loaded or unloaded through another router
     base = router.adapters.base_of.get(body.lora_name)
     if base is None:
         raise ApiError(404, f"lora_name: adapter {body.lora_name!r} is not loaded here", "model_not_found",
                        "lora_name")
-    del router.adapters.base_of[body.lora_name]
-    router.models.pop(body.lora_name, None)
-    sched, deadline = router.schedulers[base], time.monotonic() + wait_s
-    while _in_use(sched, body.lora_name) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    _shared_or_one_router(router, base)
+    deadline = time.monotonic() + wait_s
+    if registry is None:
+        router.adapters.drop(router.models, body.lora_name)
+        while body.lora_name in in_use([router.schedulers[base]], router.adapters) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    else:
+        version = await _ask(registry.retire.remote(body.lora_name, base))
+        router.adapters.drop(router.models, body.lora_name)  # out of the registry first: no fetch brings it back
+        await router.adapter_sync.refresh()  # this router's report: the version reached, what it still runs
+        while not await _ask(registry.drained.remote(body.lora_name, version)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            await router.adapter_sync.refresh()
     replies = await RouterAdapters.on_every_replica(router.target_handles[base], "unload_adapter", body.lora_name)
-    for affinity in router.affinities:  # no replica holds it now: the next load of the name starts afresh
-        if affinity.adapters is not None:
-            affinity.adapters.forget(body.lora_name)
-    return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base,
+    return {"object": "lora_adapter", "lora_name": body.lora_name, "base_model": base, "router": router.replica,
             "replicas": sorted(r["replica"] for r in replies)}
 
 
-def _one_router(router) -> None:
+async def _ask(call):
+    """A call to the adapter registry, bounded: a 503 when it does not answer (Serve is replacing it)."""
+    import asyncio
+
+    from .http_api import ApiError
+    from .lora_registry import CATCH_UP_TIMEOUT_S
+
+    try:
+        return await asyncio.wait_for(call, CATCH_UP_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(503, f"the adapter registry did not answer in {CATCH_UP_TIMEOUT_S:.0f} s; try again",
+                       "service_unavailable", type_="server_error", retry_after_s=1.0) from None
+
+
+def _shared_or_one_router(router, base: str | None) -> None:
+    """Runtime loads reach every router through the registry; a target placed in the router is each router's own,
+    so its runtime loads need a single router replica."""
     from .http_api import ApiError
 
-    if router_ceiling(router.cfg.router) > 1:
-        raise ApiError(400, "runtime LoRA load/unload needs a single router replica (each router keeps its own list "
-                       "of served names); list adapters under the target's `lora.adapters` instead",
-                       "unsupported", "lora_name")
+    placed = base is not None and base in router.cfg.placed_targets
+    if router_ceiling(router.cfg.router) > 1 and (router.adapters.registry is None or placed):
+        raise ApiError(400, "runtime LoRA load/unload on a target placed in the router needs a single router replica "
+                       "(each router holds its own copy of the model); list adapters under the target's "
+                       "`lora.adapters` instead", "unsupported", "lora_name")
 
 
 def adapter_thresholds(cfg, base: str, adapter: str) -> tuple[float, ...] | None:

@@ -48,11 +48,12 @@ class RequestFlow:
 
     async def generate(self, req: GenerateRequest, group: PreparedGroup | None = None,
                        index: int = 0) -> GenerateResponse:
+        info = self.info(req.model)  # as admitted: an adapter unloaded meanwhile lets this request finish
         async with contextlib.aclosing(self.run(req, group, index)) as stream:
             chunks = [c async for c in stream]
         ids, first, last = [t for c in chunks for t in c.token_ids], chunks[0], chunks[-1]
         # The text is decoded from all ids at once, independently of the streamed deltas.
-        assembler = TextAssembler(self.models[req.model], tuple(req.stop_list), ids, req.min_tokens)
+        assembler = TextAssembler(info, tuple(req.stop_list), ids, req.min_tokens)
         logprobs = [e for c in chunks for e in c.logprobs or []] if req.logprobs is not None else None
         return GenerateResponse(model=req.model, text=assembler.final_text(), token_ids=ids,
                                 finish_reason=last.finish_reason, usage=last.usage, metrics=last.metrics,
@@ -70,7 +71,9 @@ class RequestFlow:
         base, _ = self.adapters.target(req.model)  # an adapter's rows decode on its base's engine
         sched = self.schedulers[base]
         arrival, first_token = time.perf_counter(), None
-        with sched.reserve():  # a full target answers 429 before any tokenizing or compiling
+        # a full target answers 429 before any tokenizing or compiling; an adapter's request counts as its use from
+        # here (an unload waits for it, serve/lora.py), in the scheduler once submitted
+        with sched.reserve(), self.adapters.preparing(req.model):
             if group is None:
                 gen = await self.preparer.run(to_generation, info, req, self.cfg.limits, heavy=heavy_request(req))
             else:

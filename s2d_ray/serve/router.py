@@ -38,8 +38,9 @@ from .http_api import (
 )
 from .keepalive import settled_within
 from .loaders import load_tokenizer
-from .lora import RouterAdapters, adapter_residency, load_adapter, unload_adapter
+from .lora import RouterAdapters, adapter_residency, in_use, load_adapter, unload_adapter
 from .lora_config import LoadLoraRequest, UnloadLoraRequest
+from .lora_registry import AdapterSync
 from .metrics import ServeMetrics, prefix_cache_totals
 from .metrics_hub import HubPusher
 from .openai_protocol import (
@@ -86,7 +87,7 @@ FIRST_WAIT_S = 1.0  # a stream's status waits this long for its first tokens, th
 @serve.deployment(name="router")
 @serve.ingress(app)
 class Router:
-    def __init__(self, cfg: AppConfig, draft, targets: dict, metrics_hub=None) -> None:
+    def __init__(self, cfg: AppConfig, draft, targets: dict, metrics_hub=None, lora_registry=None) -> None:
         gc_pauses()  # this process's collections, loading included
         set_threads(1)
         self.cfg = cfg
@@ -112,7 +113,11 @@ class Router:
             {t.name: None if t.placement == "router" else f"target-{t.name}" for t in cfg.targets},  # build_app's names
             "draft" if cfg.draft_deployment else None)
         self.models = {t.name: self._model_info(t.name) for t in cfg.targets}
-        self.adapters = RouterAdapters(cfg)  # LoRA adapters: model names decoded by their base's engine
+        # LoRA adapters: model names decoded by their base's engine; runtime loads shared through the registry
+        self.adapters = RouterAdapters(cfg, lora_registry, self._forget_adapter)
+        self.adapter_sync = AdapterSync(lora_registry, self.replica,
+                                        lambda loaded, removed: self.adapters.apply(self.models, loaded, removed),
+                                        lambda: in_use(self.schedulers.values(), self.adapters))
         if cfg.uses_draft:
             base = load_tokenizer(draft_base_source(cfg.draft.source, cfg.draft.base_model), cfg.cache_dir,
                                   cfg.trust_remote_code)
@@ -128,6 +133,18 @@ class Router:
                     sorted(self.models), {n: s.max_running for n, s in self.schedulers.items()},
                     cfg.draft.source if cfg.uses_draft else None, self.tenants.names or "none: open",
                     cfg.tenants.isolation)
+
+    def _forget_adapter(self, name: str) -> None:
+        """An adapter was unloaded: no replica holds it now, so a later load of the name starts afresh."""
+        for affinity in self.affinities:
+            if affinity.adapters is not None:
+                affinity.adapters.forget(name)
+
+    async def _known_model(self, model: str) -> None:
+        """Before a request: this router's copy of the runtime adapters is fresh enough for `model`
+        (serve/lora_registry.py)."""
+        if self.adapters.registry is not None and model not in self.adapters.targets:
+            await self.adapter_sync.ensure(model, model in self.models)
 
     def _model_info(self, name: str) -> ModelInfo:
         spec = self.cfg.target(name)
@@ -183,11 +200,14 @@ class Router:
     # --- the Python handle API ------------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest | dict) -> GenerateResponse:
         """`await handle.generate.remote(GenerateRequest(...))`: the whole completion."""
-        return await self.flow.generate(GenerateRequest.model_validate(request))
+        req = GenerateRequest.model_validate(request)
+        await self._known_model(req.model)
+        return await self.flow.generate(req)
 
     async def generate_stream(self, request: GenerateRequest | dict) -> AsyncIterator[GenerateChunk]:
         """`handle.options(stream=True).generate_stream.remote(...)`: one chunk per round."""
         req = GenerateRequest.model_validate(request)
+        await self._known_model(req.model)
         async with contextlib.aclosing(self.flow.run(req)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -195,6 +215,9 @@ class Router:
     async def stats(self) -> dict:
         """Router queues plus each deployment's live-sequence count (tests check KV is freed after disconnects)."""
         out: dict = {"router": self.replica, "targets": {}, **device_report(None)}  # rounds' sampling: CPU
+        if self.adapters.registry is not None:
+            await self.adapter_sync.refresh()  # loads and unloads made through other routers
+        out["adapters"] = sorted(self.adapters.base_of)  # the LoRA adapter names this router serves now
         # Every deployment is asked at once: one dead replica costs its own bounded wait, not the sum of all of them.
         # The router's own counts are read before the calls: the deployments answer at once too, so the snapshot is
         # of one moment, not of the slowest deployment's answer (a request could finish in between).
@@ -229,6 +252,8 @@ class Router:
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict:
         self.tenants.authenticate(request)
+        if self.adapters.registry is not None:
+            await self.adapter_sync.refresh()  # loads and unloads made through other routers
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "s2d-ray", "max_model_len": m.max_context,
              "parent": self.adapters.base_of.get(m.name)}
@@ -313,6 +338,7 @@ class Router:
             scoped = {"tenant": tenant.name, "cache_salt": oreq.cache_salt,
                       "suffix_scope": end_user_scope(oreq.user, oreq.safety_identifier)}
             greqs = [g.model_copy(update=scoped) for g in greqs]
+            await self._known_model(oreq.model)
             info = self.flow.info(oreq.model)
             model = info.name
             ids = ResponseIds(chat)

@@ -3,6 +3,7 @@ the core's prefix check; the model lives in the replica (tp_size 1) or in a Deep
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -16,6 +17,7 @@ from ..core.types import ScoreRequest
 from ..gc_pauses import gc_pauses
 from .app_config import AppConfig
 from .lora import new_bank, register_adapter, score_by_adapters
+from .lora_registry import CATCH_UP_TIMEOUT_S
 from .replica import (
     Counted, IdleSequences, InProcessHandle, chunks, device_report, process_model_thread, release_all, replica_id,
     return_freed_memory, sized_rows, split_like, target_window,
@@ -70,9 +72,43 @@ class LocalTarget:
         """Nothing to stop: the model thread is the process's (it ends with the process)."""
 
 
+class RuntimeAdapters:
+    """A starting target replica's catch-up with the app's runtime LoRA loads and unloads (serve/lora_registry.py):
+    once, before its first forward, it registers the adapters loaded since the config and forgets configured ones
+    unloaded, so a replica started after a load (a scale-up, a restart) serves it like the others."""
+
+    def __init__(self, registry, base: str) -> None:
+        self.registry, self.base = registry, base
+        self.done = registry is None
+        self._lock = asyncio.Lock()
+
+    async def apply(self, replica: TargetDeployment) -> None:
+        if self.done:
+            return
+        async with self._lock:  # concurrent first calls wait for the one catch-up
+            if self.done:
+                return
+            try:
+                changes = await asyncio.wait_for(self.registry.for_base.remote(self.base), CATCH_UP_TIMEOUT_S)
+            except Exception:  # the registry is being replaced: serve what is registered, try again next call
+                logger.warning("target %s: adapter registry unreachable; runtime adapters not registered yet",
+                               self.base, exc_info=True)
+                return
+            for name, where in changes["load"].items():
+                loaded = await replica.load_adapter(name, where)
+                if "error" in loaded:  # this replica cannot read it (a path not on its node): its rows fail
+                    logger.error("target %s: runtime adapter %s not registered: %s", self.base, name,
+                                 loaded["error"])
+            for name in changes["unload"]:
+                await replica.unload_adapter(name)
+            logger.info("target %s: runtime adapters registered %s, unloaded %s", self.base,
+                        sorted(changes["load"]), changes["unload"])
+            self.done = True
+
+
 @serve.deployment
 class TargetDeployment:
-    def __init__(self, cfg: AppConfig, name: str) -> None:
+    def __init__(self, cfg: AppConfig, name: str, lora_registry=None) -> None:
         gc_pauses()  # this process's collections, loading included
         spec, ecfg = cfg.target(name), cfg.engine_config(name)
         set_threads(cfg.num_threads)
@@ -93,6 +129,8 @@ class TargetDeployment:
             self.max_rows = sized_rows(spec, model, max_slots)
             limit_rows(verifier, self.max_rows, max_slots)  # KV <= max_rows x max_slots (docs/SERVING.md)
             self.backend = LocalTarget(verifier, cfg.num_threads)
+        # adapters loaded or unloaded at run time before this replica started: applied before its first forward
+        self.runtime_adapters = RuntimeAdapters(lora_registry, name) if spec.lora is not None else None
         self.recomputed = 0  # tokens recomputed because this replica did not hold the prefix (all calls)
         self.replica = replica_id()
         self.idle = IdleSequences(cfg.limits.seq_idle_ttl_s)
@@ -110,6 +148,8 @@ class TargetDeployment:
         """One call per router round; concurrent rounds (several routers) share one forward (split past
         max_live_sequences). seen: per request, tokens an earlier round verified; affinity: the routing key. Each
         call gets its logits and the tokens this replica recomputed for it."""
+        if self.runtime_adapters is not None:
+            await self.runtime_adapters.apply(self)
         logits: list[torch.Tensor] = []
         recomputed: list[int] = []
         start, cpu = time.perf_counter(), self.backend.cpu_s
@@ -187,6 +227,8 @@ class TargetDeployment:
 
     async def check_health(self) -> None:
         """Raises when the model thread or any TP rank stops answering; drops state of long-idle sequences."""
+        if self.runtime_adapters is not None:
+            await self.runtime_adapters.apply(self)
         await self.backend.check()
         expired = self.idle.expired()
         if expired:

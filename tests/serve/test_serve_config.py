@@ -33,6 +33,7 @@ def test_deployment_yaml_is_valid_for_serve_and_for_us(path):
         names = [d.name for d in _deployments(build_app(app.args))]
         expected = {"router", "metrics", *(f"target-{t.name}" for t in cfg.deployed_targets)}  # placed: in the router
         expected |= {"draft"} if cfg.draft_deployment else set()
+        expected |= {"lora-registry"} if any(t.lora for t in cfg.targets) else set()  # runtime adapter loads
         assert set(names) == expected
 
 
