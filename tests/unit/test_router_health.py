@@ -37,6 +37,7 @@ def _router(targets: dict[str, float | None], draft: float | None):
     self = object.__new__(cls)
     sched = SimpleNamespace(num_running=0, waiting=[], timing=lambda: {}, engine=SimpleNamespace(suffix=None))
     self.cfg = SimpleNamespace(uses_draft=True)
+    self.adapters = SimpleNamespace(registry=None, base_of={})  # no LoRA targets: no registry to refresh
     self.replica = "r0"
     self.affinities = []
     self.schedulers = {name: sched for name in targets}
