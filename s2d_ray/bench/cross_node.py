@@ -5,7 +5,7 @@ A Ray cluster of three nodes on this machine (`ray.cluster_utils.Cluster`, every
 custom resource naming it; two apps of the same tiny random target and a draft cut from it, placed by those
 resources: `one-node` (router, draft and target on the head) and `cross-node` (router on the head, the draft on one
 worker node, the target on the other). Single streams, greedy, fixed k, alternating between the apps `--reps`
-times; the routers' own clocks (/health `timing`) give per round its wall time and per deployment call its wall
+times; the routers' own clocks (/stats `timing`) give per round its wall time and per deployment call its wall
 time and the replica's part, whose difference is the price of the call itself. Where each replica runs is read
 back from Ray's state API (a run whose replicas are elsewhere stops), and the two placements' greedy outputs are
 compared. The cross-node price less the one-node price, per call, is the fleet model's `cross_node_ms`
@@ -70,10 +70,10 @@ def start_cluster(dashboard_port: int):
     return cluster
 
 
-def health_timing(url: str) -> dict:
+def stats_timing(url: str) -> dict:
     import httpx
 
-    return httpx.get(f"{url}/health", timeout=60.0).json()["targets"][TARGET]["timing"]
+    return httpx.get(f"{url}/stats", timeout=60.0).json()["targets"][TARGET]["timing"]
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> tuple[str, int]:
@@ -99,7 +99,8 @@ def replica_nodes(dashboard_url: str) -> dict[str, dict[str, str]]:
         parts = (a.class_name or "").split(":")  # ServeReplica:<app>:<deployment>
         if len(parts) == 3 and parts[0] == "ServeReplica" and parts[1] in PLACEMENTS:
             role = "target" if parts[2].startswith("target-") else parts[2]
-            out.setdefault(parts[1], {})[role] = names.get(a.node_id, "?")
+            if role in PLACEMENTS[parts[1]]:  # the app's singletons (metrics hub) go where the router's kind of node is
+                out.setdefault(parts[1], {})[role] = names.get(a.node_id, "?")
     return out
 
 
@@ -133,9 +134,9 @@ def run(cfg: CrossNodeRun) -> dict:
         outputs: dict[str, list[str]] = {name: [] for name in PLACEMENTS}
         for _ in range(cfg.reps):
             for name, url in urls.items():
-                before = health_timing(url)
+                before = stats_timing(url)
                 done = [complete(url, t, cfg.max_tokens) for t in texts]
-                delta = timing_delta(before, health_timing(url))
+                delta = timing_delta(before, stats_timing(url))
                 outputs[name].extend(text for text, _ in done)
                 if delta:
                     samples[name].append({**delta, "tokens": sum(n for _, n in done)})

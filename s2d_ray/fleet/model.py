@@ -24,8 +24,9 @@ from .shapes import ModelShape
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 # The extra wall time of one deployment call whose replica is on another node than the router, against the same
 # call on the router's node: `s2d bench cross-node` (three raylets over loopback, so a floor for a real network;
-# BENCHMARKS.md, "Cross-node rounds"). `s2d plan --cross-node-ms` overrides it.
-CROSS_NODE_MS = 4.0
+# BENCHMARKS.md, "Cross-node rounds": no measurable extra over loopback). `s2d plan --cross-node-ms` sets a
+# real network's round trip.
+CROSS_NODE_MS = 0.0
 
 
 def forward_ms(shape: ModelShape, dev: Device, rows: int, positions: int, context: int, dtype_bytes: int = 2,
