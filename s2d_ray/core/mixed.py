@@ -31,37 +31,38 @@ class Piece:
     end: int
 
 
-def fold_plan(counts: list[int], nodes: list[int], limit: int,
+def fold_plan(counts: list[int], foldable: list[bool],
               free_width: int = FREE_WIDTH) -> tuple[int, list[int], list[int]] | None:
     """How a batch's rows run as one mixed forward: (piece width, the rows folded into pieces, the rows left to
     forwards of their own), or None when no row is worth folding.
 
     The width is the widest row that is not folded (the decode rows: chains, trees), raised so that no folded row
     needs more than MAX_PIECES pieces, and never past `free_width` positions over it (padding a decode row by that
-    costs about what one more forward's fixed overhead does, `length_groups`' rule); a longer prompt, or one over
-    `limit` positions, keeps forwards of its own. `nodes`: each row's tree nodes (0 for a chain), which must all fit
-    in its last piece (a prompt's first round may carry lookup candidates as a tree)."""
+    costs about what one more forward's fixed overhead does, `length_groups`' rule); a longer prompt keeps forwards
+    of its own. `foldable`: rows that may be folded (plain causal positions: no tree nodes)."""
     narrow = min(counts, default=0)
-    base = max((c for c in counts if c <= narrow + free_width), default=0)
-    cap = min(limit, MAX_PIECES * (base + free_width))
-    candidates = [i for i, c in enumerate(counts) if base < c <= cap]
-    width = max([base] + [-(-counts[i] // MAX_PIECES) for i in candidates])
-    folded = [i for i in candidates if nodes[i] <= width]
+    decode = [c for c, f in zip(counts, foldable) if not f or c <= narrow + free_width]
+    if not decode:
+        return None
+    base = max(decode)
+    folded = [i for i, (c, f) in enumerate(zip(counts, foldable)) if f and base < c <= MAX_PIECES * (base + free_width)]
     if not folded:
         return None
+    width = max(base, *(-(-counts[i] // MAX_PIECES) for i in folded))
     rest = [i for i, c in enumerate(counts) if c > base and i not in folded]
     return width, folded, rest
 
 
 def pieces(starts: list[int], ends: list[int], folded: list[int], width: int) -> list[Piece]:
-    """Grid rows of a mixed forward: every row whole, except the folded ones cut into pieces of at most `width`
-    positions, the last piece ending at the row's end (so a tree's nodes, fewer than `width`, sit in it whole)."""
+    """Grid rows of a mixed forward: every row whole, except the folded ones cut into pieces of `width` positions."""
     out = []
     cut = set(folded)
     for i, (s, e) in enumerate(zip(starts, ends)):
-        last = max(s, e + 1 - width) if i in cut else s
-        out += [Piece(i, lo, min(lo + width, last) - 1) for lo in range(s, last, width)]
-        out.append(Piece(i, last, e))
+        if i not in cut:
+            out.append(Piece(i, s, e))
+            continue
+        for lo in range(s, e + 1, width):
+            out.append(Piece(i, lo, min(lo + width, e + 1) - 1))
     return out
 
 

@@ -134,7 +134,8 @@ class TargetVerifier:
         counts = [ends[i] - starts[i] + 1 for i in batch]
         plan = None
         if self.mix_prompts and self.prefill_chunk:  # prefill_chunk 0: every row's positions in one pass
-            plan = fold_plan(counts, [len(requests[i].parents or ()) for i in batch], self.prefill_chunk)
+            plan = fold_plan(counts, [requests[i].parents is None and c <= self.prefill_chunk
+                                      for i, c in zip(batch, counts)])
         if plan is not None:
             width, folded, rest = plan
             apart = set(rest)
@@ -154,9 +155,7 @@ class TargetVerifier:
         """One forward over whole rows and the `folded` rows cut into pieces of `width` positions, each piece a grid
         row over its sequence's cache row (core/mixed.py); hidden states [positions, h] per request."""
         grid = pieces(starts, ends, folded, width)
-        # a tree's nodes sit in its row's last piece; the pieces before it are plain causal prompt positions
-        views = [requests[p.index] if p.end == ends[p.index] else replace(requests[p.index], parents=None)
-                 for p in grid]
+        views = [requests[p.index] for p in grid]
         hidden = self._forward(views, [states[p.index] for p in grid], [p.start for p in grid],
                                [p.end for p in grid], mixed=True)
         parts: list[list[torch.Tensor]] = [[] for _ in requests]

@@ -39,7 +39,7 @@ def spy_forwards(stack) -> list[tuple[int, int]]:
 
 def test_long_prompt_joining_decode_rows_runs_apart_and_stays_exact():
     target = tiny_target(seed=3)
-    verifier = TargetVerifier(target, mix_prompts=False)  # folding prompt chunks into decode rows: test_mixed_prefill
+    verifier = TargetVerifier(target)
     drafter = TreeDrafter(SortedDrafter(noisy_draft(target)), PromptLookup())
     engine = SpecEngine(verifier, drafter, FixedK(3), budget=SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=12), None, max_depth=6))
     target_shapes, draft_shapes = spy_forwards(verifier.stack), spy_forwards(drafter.draft.stack)

@@ -12,7 +12,6 @@ from core_fixtures import KERNELS, noisy_draft, random_prompts, tiny_target
 from s2d_ray.core.budget import SpeculationBudget, TreeShape
 from s2d_ray.core.costs import CostModel
 from s2d_ray.core.draft import SortedDrafter
-from s2d_ray.core.lookup import PromptLookup, TreeDrafter
 from s2d_ray.core.engine import GenerationRequest, SpecEngine
 from s2d_ray.core.mixed import fold_plan, pieces, round_prompt_positions
 from s2d_ray.core.policy import FixedK
@@ -28,18 +27,12 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def test_fold_plan_and_pieces():
     # decode rows of 1-4 positions, a 100-position chunk folds into 4 pieces of 25; a 900-position prompt runs apart
-    width, folded, rest = fold_plan([4, 100, 1, 900], [0, 0, 0, 0], limit=256)
+    width, folded, rest = fold_plan([4, 100, 1, 900], [True] * 4)
     assert (width, folded, rest) == (25, [1], [3])
     assert [(p.index, p.start, p.end) for p in pieces([10, 0, 7], [13, 99, 7], folded, width)] == \
         [(0, 10, 13), (1, 0, 24), (1, 25, 49), (1, 50, 74), (1, 75, 99), (2, 7, 7)]
-    # a prompt with 6 lookup nodes: its last piece ends at its end and holds them all
-    width, folded, _ = fold_plan([2, 90], [1, 6], limit=256)
-    assert (width, folded) == (23, [1])
-    assert [(p.start, p.end) for p in pieces([5, 0], [6, 89], folded, width)][1:] == \
-        [(0, 22), (23, 45), (46, 66), (67, 89)]
-    assert fold_plan([4, 4, 3], [0, 0, 0], limit=256) is None  # nothing to fold
-    assert fold_plan([4, 100], [0, 30], limit=256) is None  # a tree wider than a piece is never cut
-    assert fold_plan([4, 100], [0, 0], limit=64) is None  # over the verifier's prefill chunk: apart
+    assert fold_plan([4, 4, 3], [True] * 3) is None  # nothing to fold
+    assert fold_plan([4, 100], [True, False]) is None  # a tree row is never cut
     assert round_prompt_positions([50, 200, 30], 120) == [50, 70, 0]
 
 
@@ -132,22 +125,3 @@ def test_budget_prices_the_chunk_on_the_cost_grid():
     steep = SpeculationBudget(TreeShape(), CostModel({1: {1: 10.0, 2: 30.0}}), max_depth=4)
     assert steep.prompt_positions(1, 512) == SpeculationBudget.MIN_PROMPT_POSITIONS  # a prompt always progresses
 
-
-def test_a_prompt_with_lookup_nodes_folds_into_tree_rounds_and_stays_exact():
-    """Token trees with prompt lookup: the joining prompt's first round carries lookup nodes (a tree); its leading
-    positions ride as causal pieces and the nodes in its last piece, beside the decode rows' trees."""
-    target = tiny_target(seed=3)
-    verifier = TargetVerifier(target, kernels=KERNELS)
-    mixed = []
-    original = verifier._forward_mixed
-    verifier._forward_mixed = lambda *a: mixed.append(a[4]) or original(*a)
-    drafter = TreeDrafter(SortedDrafter(noisy_draft(target)), PromptLookup())
-    budget = SpeculationBudget(TreeShape(width=3, lookup=True, max_nodes=12), None, max_depth=6)
-    engine = SpecEngine(verifier, drafter, FixedK(3), budget=budget)
-    long = prompt(40, 6) * 3  # repeats: lookup finds candidates in the prompt itself
-    short = random_prompts(3, seed=4)
-    out, _ = staggered(engine, short, long, 30)
-    for i, p in enumerate(short):
-        assert out[f"s{i}"] == reference_greedy(target, p, 30)
-    assert out["long"] == reference_greedy(target, long, 30)
-    assert any(mixed)  # a round folded the prompt
