@@ -148,8 +148,7 @@ def measure(run: LoraServeRun) -> dict:
         given = argparse.Namespace(adapter=run.adapter, rank=8, scale=0.002)
         paths = adapters(base.model, Path(tmp) / "adapters", most, given)
         names = adapter_names(run.adapter, paths)
-        report["adapters"] = dict(zip(names, [str(p) if i < len(run.adapter) else f"noisy copy of {p}"
-                                              for i, p in enumerate(paths)]))
+        report["adapters"] = dict(zip(names, [adapter_source(run.adapter, i) for i in range(len(paths))]))
         profile = base_profile(run)
         prompts = chat_texts(base.tokenizer, run.prompts)
         bar = tqdm(total=len(run.counts) * len(APPS) * len(VARIANTS), desc="lora-serve",
@@ -179,6 +178,13 @@ def chat_texts(tokenizer, prompts: list[str]) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         return list(prompts)
     return [tokenizer.decode(encode_prompt(tokenizer, p, chat=True)) for p in prompts]
+
+
+def adapter_source(given: list[str], i: int) -> str:
+    """What adapter i is, as the command named it (a record names no directory of the machine it ran on)."""
+    if i < len(given):
+        return given[i]
+    return f"noisy copy of {given[i % len(given)]}" if given else "random"
 
 
 def adapter_names(given: list[str], paths: list[Path]) -> list[str]:
