@@ -169,6 +169,23 @@ def replica_counts(app: str, states: tuple[str, ...] = ("RUNNING",), deployments
     return {name: sum(d.replica_states.get(s, 0) for s in states) for name, d in deployments.items()}
 
 
+def ongoing_by_controller(app: str, names) -> dict:
+    """The ongoing-request figure Serve's controller scales each deployment on (why a deployment stays up)."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    out = {}
+    for name in names:
+        try:
+            out[name] = ray.get(controller._get_total_num_requests_for_deployment_for_testing.remote(
+                DeploymentID(name=name, app_name=app)), timeout=10)
+        except Exception as exc:  # diagnostics only
+            out[name] = repr(exc)[:120]
+    return out
+
+
 BUSY_TARGET = 0.1
 
 
@@ -213,6 +230,9 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         busy = {"load": 0.0, "quiet": 0.0}  # the highest draft busy fraction the routers' /stats showed, per phase
         low: dict[str, int] = {}  # the fewest running replicas each deployment had once the load ended
         samples: list[float] = []
+        ongoing: list[dict] = []  # the controller's ongoing-request figures once the load ended (why one stays up)
+        tick = [0]
+        scaled = ("router", "draft", "target-tiny-a")  # must reach two replicas under the load
         phase = ["load"]
         stop = threading.Event()
 
@@ -233,19 +253,26 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
                 for name, d in deployments.items():  # why it is upscaling, or why a replica has not started
                     if d.message:
                         messages.setdefault(name, set()).add(f"{d.status}: {d.message}"[:200])
-                try:  # a router replica going away mid-call is expected here
-                    draft = app.handle.stats.remote().result(timeout_s=5)["draft"]
-                    busy[phase[0]] = max(busy[phase[0]], draft.get("busy_fraction", 0.0))
-                    samples.append(round(draft.get("busy_fraction", 0.0), 3))
-                except Exception:
-                    pass
+                # A /stats call reaches every replica of every deployment, so the probe is itself load: every 0.5 s
+                # under load, every 5 s once it ends (at 0.5 s a slow host's stats calls alone can hold a target's
+                # ongoing-request average near its 0.5 target).
+                tick[0] += 1
+                if phase[0] == "load" or tick[0] % 10 == 0:
+                    try:  # a router replica going away mid-call is expected here
+                        draft = app.handle.stats.remote().result(timeout_s=5)["draft"]
+                        busy[phase[0]] = max(busy[phase[0]], draft.get("busy_fraction", 0.0))
+                        samples.append(round(draft.get("busy_fraction", 0.0), 3))
+                    except Exception:
+                        pass
+                if phase[0] == "quiet" and tick[0] % 4 == 0:
+                    seen = ongoing_by_controller(AUTOSCALE_APP, (*scaled, "target-tiny-b"))
+                    ongoing.append({k: round(v, 2) if isinstance(v, float) else v for k, v in seen.items()})
                 time.sleep(0.5)
 
         started = time.monotonic()
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         loaded: list = []
-        scaled = ("router", "draft", "target-tiny-a")
         # The controller starts every second replica soon after the load begins; running it is replica start-up on a
         # saturated small machine (imports and weights at a fraction of a core), which can take minutes. So the load
         # lasts 180 s at most unless every second replica has been started by then (the decision this test is
@@ -264,19 +291,27 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         # and a slow one alike (a fixed pause can leave a slow machine's draft busy enough to keep a second replica).
         # Each deployment must come down to one replica; with a look-back of 2 s a slow host's single quiet request
         # can bring one back up for a while, so every deployment may be down once without all being down at the same
-        # moment: each is checked on its own.
+        # moment: each is checked on its own. After 60 s of paced requests the client stops altogether: with no load
+        # at all every deployment must reach one replica (on a slow host the paced client alone can keep a target's
+        # ongoing-request average above its 0.5 target for minutes).
         phase[0] = "quiet"
         quiet = []
-        while time.monotonic() - started < up_s + 120 and not (low and all(n == 1 for n in low.values())):
+
+        def all_down() -> bool:
+            return bool(low) and all(n == 1 for n in low.values())
+
+        while time.monotonic() - started < up_s + 60 and not all_down():
             for job in [j for j in plan(rng, refs, 6) if j.kind == "greedy"]:
                 sent = time.monotonic()
                 quiet.append(run_job(app.url, job))
                 time.sleep(max(1.0, 6 * (time.monotonic() - sent)))
+        while time.monotonic() - started < up_s + 240 and not all_down():
+            time.sleep(1.0)
         down_s = time.monotonic() - started - up_s
         stop.set()
         watcher.join()
         final = replica_counts(AUTOSCALE_APP)
-        figures = {"peak": peak, "started": asked, "second_replica_started_s": decided,
+        figures = {"ongoing_after_load": ongoing[-10:], "peak": peak, "started": asked, "second_replica_started_s": decided,
                    "second_replica_running_s": reached, "quiet_low": low, "final": final,
                    "up_s": round(up_s, 1), "down_s": round(down_s, 1),
                    "requests_under_load": len(loaded), "requests_while_scaling_down": len(quiet),
