@@ -221,5 +221,13 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else [],  # no install path
+        "argv": recorded_argv(sys.argv),
     }
+
+
+def recorded_argv(argv: list[str]) -> list[str]:
+    """The command as a record keeps it: no install path, and the data directory named by its variable, so a record
+    says how to rerun it on any machine rather than where one machine keeps its data."""
+    data = os.environ.get("S2D_DATA_DIR", "").rstrip("/")
+    out = [os.path.basename(argv[0]), *argv[1:]] if argv else []
+    return ["$S2D_DATA_DIR" + a[len(data):] if data and (a == data or a.startswith(data + "/")) else a for a in out]

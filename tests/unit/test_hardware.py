@@ -250,3 +250,13 @@ def test_idle_cores_from_proc_stat_counters(tmp_path):
     assert IdleCores.here(stat) is not None
     stat.write_text("garbage\n")  # not Linux's format: no reader, so no idle cue
     assert IdleCores.here(stat) is None and IdleCores.here(tmp_path / "missing") is None
+
+
+def test_a_record_names_the_data_directory_by_its_variable(monkeypatch):
+    monkeypatch.setenv("S2D_DATA_DIR", "/srv/data/")
+    argv = ["/opt/venv/bin/s2d", "bench", "serve", "--questions", "/srv/data/spec_bench/question.jsonl",
+            "--out", "/srv/database/out"]
+    assert hardware.recorded_argv(argv) == ["s2d", "bench", "serve", "--questions",
+                                             "$S2D_DATA_DIR/spec_bench/question.jsonl", "--out", "/srv/database/out"]
+    monkeypatch.delenv("S2D_DATA_DIR")
+    assert hardware.recorded_argv(argv)[4] == "/srv/data/spec_bench/question.jsonl"
