@@ -311,8 +311,9 @@ def test_autoscaling_up_under_load_and_down_after_with_exact_outputs(serve_insta
         stop.set()
         watcher.join()
         final = replica_counts(AUTOSCALE_APP)
-        figures = {"ongoing_after_load": ongoing[-10:], "peak": peak, "started": asked, "second_replica_started_s": decided,
-                   "second_replica_running_s": reached, "quiet_low": low, "final": final,
+        figures = {"ongoing_after_load": ongoing[-10:], "peak": peak, "started": asked,
+                   "second_replica_started_s": decided, "second_replica_running_s": reached,
+                   "quiet_low": low, "final": final,
                    "up_s": round(up_s, 1), "down_s": round(down_s, 1),
                    "requests_under_load": len(loaded), "requests_while_scaling_down": len(quiet),
                    "draft_busy_max": {k: round(v, 3) for k, v in busy.items()}, "last": samples[-30:],
