@@ -10,14 +10,16 @@ speculation parts from plain decoding at near-ties. Here:
 - projections and the LM head run on exactly CHUNK_ROWS rows per call (rows split into chunks, the last padded with
   zeros): every row goes through the same GEMM call shape, whose per-row result depends on neither the row's place
   in the chunk nor the other rows; on the CPU on a weight reordered once for that shape (oneDNN), not on every call;
-- attention runs each query row alone over exactly its own keys in decode order (`per_query_attention`): a tree
-  node over its prefix and ancestors, as a decode step at that node would;
+- attention gives each query row exactly its own keys in decode order (a tree node: its prefix and ancestors, as a
+  decode step at that node reads them) and computes it in KEY_BLOCK-wide blocks of one matmul shape, summed by a
+  sequential scan (`blocked_attention`): a row's result is the same whatever the pass's width, padding or other
+  rows, so a whole pass runs in a few batched calls;
 - every pass runs on the same intra-op thread count (`FixedPasses`): oneDNN may split a GEMM's reduction by it;
 - norms, RoPE, activations and residual adds are per row already.
 
 Then every position's KV and logits equal a one-token decode step's bit for bit, so greedy speculation equals plain
 greedy decoding in this mode, and a repeat run repeats it. It costs speed: a decode step pads each projection to
-CHUNK_ROWS rows, a wide pass attends row by row, and CUDA graphs are off.
+CHUNK_ROWS rows, attention gathers every row's keys, and CUDA graphs are off.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from .linear import _packed_linear, supported, with_linears
 from .threads import FixedPasses, intra_op_threads
 
 CHUNK_ROWS = 8  # rows per projection call: a decode step's one row pays for 8, a pass of 9..16 positions two calls
+KEY_BLOCK = 32  # keys per attention block (blocked_attention): every attention matmul the same shape
+ROWS_PER_CALL = 64  # query rows per blocked_attention call: bounds the gathered keys of a long prompt's pass
+MATMUL_MIN = 16 * 16 * 16  # torch's CPU matmul runs oneDNN above this many multiply-adds per call (reduced types)
 
 
 class RowChunkedLinear(nn.Module):
@@ -114,37 +119,90 @@ class DeterministicKernels:
 def per_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scale: float,
                         kv_runs: list[tuple[int, int, int, int]] | None = None) -> torch.Tensor:
-    """query [b, h, q, d] over key/value [b', kvh, k, d] -> [b, q, h, d], each query row computed alone over exactly
-    the keys its mask allows, gathered in slot order (a tree node: its prefix, its ancestors root first, itself: the
-    keys a decode step at that node reads), with one call shape per key count. So a row's output depends only on its
-    own query and keys, never on the other rows, the pass's width or padding (a padded softmax or a wider matmul
-    reduces in another order). kv_runs maps query rows to key rows as in `grouped_attention`."""
+    """query [b, h, q, d] over key/value [b', kvh, k, d] -> [b, q, h, d], each query row over exactly the keys its
+    mask allows, gathered in slot order (a tree node: its prefix, its ancestors root first, itself: the keys a decode
+    step at that node reads), padded to the widest row of its call. Every row goes through `blocked_attention`, whose
+    result for a row depends on neither the padding nor the other rows, so calls take up to ROWS_PER_CALL rows of
+    similar key counts. kv_runs maps query rows to key rows as in `grouped_attention`."""
     b, h, q, d = query.shape
+    kvh, n_keys = key.shape[1], key.shape[2]
     if attention_mask is None:
-        allowed = causal(q, key.shape[2], query.device)[None, None]
+        allowed = causal(q, n_keys, query.device)[None, None]
     elif attention_mask.dtype == torch.bool:
         allowed = attention_mask
     else:
         allowed = attention_mask > torch.finfo(attention_mask.dtype).min
-    allowed = allowed[:, 0].expand(b, q, key.shape[2])  # one mask row per query row (the same for every head)
+    allowed = allowed[:, 0].expand(b, q, n_keys).reshape(b * q, n_keys)  # one mask row per query row
     key_rows = list(range(b)) if kv_runs is None else [ka + i - qa for qa, qb, ka, _ in kv_runs for i in range(qa, qb)]
-    counts = allowed.sum(-1).flatten().tolist()
-    slots = allowed.nonzero()[:, 2].split(counts)  # row-major: each query row's allowed slots, ascending
-    rows = query.transpose(1, 2).contiguous()  # [b, q, h, d]: each query row one contiguous [h, d] block
+    key_row = torch.tensor(key_rows, device=query.device).repeat_interleave(q)
+    counts = allowed.sum(-1)
+    rows = query.transpose(1, 2).reshape(b * q, kvh, h // kvh, d)
     out = torch.empty_like(rows)
-    # One CPU thread: these calls are too small to split, and a contended second thread only adds barrier waits.
+    keys, values = _slot_rows(key), _slot_rows(value)
+    heads = torch.arange(kvh, device=query.device)
+    # One CPU thread: a second one would split these small calls in an order that may follow their size.
     with intra_op_threads(1 if query.device.type == "cpu" else None):
-        for n, idx in enumerate(slots):
-            i, j = divmod(n, q)
-            out[i, j] = _one_query(rows[i, j], key[key_rows[i]].index_select(1, idx),
-                                   value[key_rows[i]].index_select(1, idx), scale)
-    return out
+        # Rows of similar key counts together, so a call pads little; a row's result is the same in any call.
+        for part in counts.argsort(stable=True).split(ROWS_PER_CALL):
+            width = max(1, -(-int(counts[part[-1]]) // KEY_BLOCK)) * KEY_BLOCK
+            valid = torch.arange(width, device=query.device)[None] < counts[part, None]  # each row's own keys
+            slots = torch.zeros(valid.shape, dtype=torch.long, device=query.device)
+            slots[valid] = allowed[part].nonzero()[:, 1]  # row-major both: allowed slots ascending, left-aligned
+            # (query row, head, position) -> its key's row in the cache seen as rows. Padding points at slot 0: a
+            # finite key whose score is masked, so its weight is an exact zero.
+            k, v = (cache.index_select(0, (key_row[part, None, None] * row + heads[:, None] * head
+                                           + slots[:, None] * slot).flatten()).view(len(part), kvh, width, d)
+                    for cache, row, head, slot in (keys, values))
+            out[part] = blocked_attention(rows[part], k, v, valid, scale)
+    return out.view(b, q, h, d)
 
 
-def _one_query(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [h, d] over contiguous key/value [kvh, n, d] -> [h, d]: what every row of `per_query_attention` runs."""
-    kvh, d = key.shape[0], key.shape[2]
+def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """cache [b', kvh, k, d] seen as rows of d, one per (cache row, head, slot), without a copy where the layout
+    allows (a view of a larger cache buffer, heads inner or outer) -> (rows, row step, head step, slot step): slot s
+    of (row i, head j) is row i * row step + j * head step + s * slot step."""
+    d = cache.shape[3]
+    steps = [stride if size > 1 else 0 for stride, size in zip(cache.stride(), cache.shape)]  # a size-1 dim: any
+    if steps[3] not in (0, 1) or any(step % d for step in steps[:3]):
+        cache = cache.contiguous()
+        steps = [stride if size > 1 else 0 for stride, size in zip(cache.stride(), cache.shape)]
+    row, head, slot = (step // d for step in steps[:3])
+    count = sum((size - 1) * step for size, step in zip(cache.shape[:3], (row, head, slot))) + 1
+    return cache.as_strided((count, d), (d, 1), cache.storage_offset()), row, head, slot
+
+
+def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """query [r, kvh, g, d] over key / value [r, kvh, n, d] (n a multiple of KEY_BLOCK), `valid` [r, n] marking each
+    row's real keys, left-aligned -> [r, kvh, g, d].
+
+    Batch-invariant by construction: keys are cut into KEY_BLOCK-wide blocks and every block is a matrix of its own
+    in one batched matmul (each matrix the same shape, whatever the row count or width); a block's softmax weights
+    and their sum are summed over the blocks by a sequential scan (cumsum), so the padding blocks past a row's keys
+    add exact zeros at the end. A row's result is thus the one it gets alone, at its own width."""
+    r, kvh, g, d = query.shape
+    blocks = key.shape[2] // KEY_BLOCK
     acc = torch.promote_types(query.dtype, torch.float32)
-    scores = torch.matmul(query.view(kvh, -1, d), key.transpose(-1, -2)).to(acc) * scale
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).view(-1, d)
+    n = r * kvh * blocks
+    q = query[:, :, None].expand(r, kvh, blocks, g, d).reshape(n, g, d)
+    scores = _block_matmul(q, key.reshape(n, KEY_BLOCK, d), transpose=True).to(acc).mul_(scale)
+    scores = scores.view(r, kvh, blocks, g, KEY_BLOCK)
+    scores.masked_fill_(~valid.view(r, 1, blocks, 1, KEY_BLOCK), float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # exact, in any order
+    weights = (scores - top.masked_fill(top.isinf(), 0)).exp_()  # a row without keys: all zero
+    total = weights.sum(-1).cumsum(2)[:, :, -1]  # [r, kvh, g]
+    part = _block_matmul(weights.to(value.dtype).view(n, g, KEY_BLOCK), value.reshape(n, KEY_BLOCK, d))
+    out = part.view(r, kvh, blocks, g, d).to(acc).cumsum(2)[:, :, -1]
+    return (out / total.clamp_min(torch.finfo(acc).tiny)[..., None]).to(value.dtype)
+
+
+
+def _block_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """a [n, x, y] @ b [n, y, z] (b [n, z, y] transposed), on at least enough matrices that torch's CPU matmul takes
+    its oneDNN kernel (it does above MATMUL_MIN multiply-adds per call): a call of one small row would otherwise take
+    another kernel than the same row among many."""
+    n = a.shape[0]
+    short = MATMUL_MIN // (a.shape[1] * a.shape[2] * b.shape[1 if transpose else 2]) + 1 - n
+    if short > 0:
+        a, b = (torch.cat([t, t.new_zeros(short, *t.shape[1:])]) for t in (a, b))
+    return torch.matmul(a, b.transpose(-1, -2) if transpose else b)[:n]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from core_fixtures import noisy_draft, random_prompts
 from helpers import make_tiny_llama
@@ -220,3 +221,58 @@ def test_the_mode_is_refused_off_the_cpu():
         AppConfig.model_validate(app)
     app["deterministic"] = False
     AppConfig.model_validate(app)  # the control
+
+
+def attention_case(layout: str, dtype: torch.dtype, gen: torch.Generator):
+    """Rows of different lengths (prompts, a chain, a token tree) over a cache stored as `layout`: heads outer as a
+    view of a longer buffer, or heads inner ([b, k, kvh, d] transposed), as caches hand them over."""
+    b, kvh, g, d, q, k = 3, 2, 2, 16, 6, 70
+    buffer = torch.randn(2, b, kvh, 96, d, generator=gen).to(dtype)
+    if layout == "heads inner":
+        buffer = torch.randn(2, b, 96, kvh, d, generator=gen).to(dtype).transpose(2, 3)
+    key, value = buffer[0, :, :, :k], buffer[1, :, :, :k]
+    query = torch.randn(b, kvh * g, q, d, generator=gen).to(dtype)
+    mask = torch.zeros(b, 1, q, k, dtype=torch.bool)
+    for i, n in enumerate((9, 33, 61)):
+        mask[i, 0, :, :n] = True
+        for j in range(q):
+            mask[i, 0, j, n + j] = True
+            if i == 2 and j:  # a tree: node j's parent is (j - 1) // 2
+                mask[i, 0, j, n + (j - 1) // 2] = True
+            elif j:
+                mask[i, 0, j, n: n + j] = True
+    return query, key, value, mask
+
+
+def rows_unlike_alone(kernel, query, key, value, mask) -> int:
+    """How many query rows of one mixed pass differ (bitwise) from the row computed alone over exactly its own keys,
+    compacted in slot order: what a decode step at that position reads."""
+    out, bad = kernel(query, key, value, mask, 0.25), 0
+    for i in range(query.shape[0]):
+        for j in range(query.shape[2]):
+            keep = mask[i, 0, j]
+            alone = kernel(query[i:i + 1, :, j:j + 1], key[i:i + 1, :, keep], value[i:i + 1, :, keep], None, 0.25)
+            bad += not torch.equal(out[i, j], alone[0, 0])
+    return bad
+
+
+def wide_attention(query, key, value, mask, scale):
+    """A wrong kernel for the mode: one masked softmax over the pass's whole key range."""
+    rep = query.shape[1] // key.shape[1]
+    return F.scaled_dot_product_attention(query, key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1),
+                                          mask, scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["heads outer", "heads inner"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_each_attention_row_equals_itself_alone(layout, dtype):
+    """per_query_attention over a whole mixed pass (prompt rows, a chain, a tree; a cache view with heads outer or
+    inner) equals every row computed alone over its own keys, and stays close to plain masked attention; the
+    negative control, a masked softmax over the pass's width, parts somewhere."""
+    from s2d_ray.kernels.deterministic import per_query_attention
+
+    case = attention_case(layout, dtype, torch.Generator().manual_seed(3))
+    assert rows_unlike_alone(per_query_attention, *case) == 0
+    assert rows_unlike_alone(wide_attention, *case) > 0
+    out, want = per_query_attention(*case, 0.25).float(), wide_attention(*(t.float() for t in case[:3]), case[3], 0.25)
+    assert torch.allclose(out, want, atol=0.05 if dtype == torch.bfloat16 else 1e-5)
