@@ -48,14 +48,17 @@ SHARED_SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(
 WORKLOADS = ("mixed", "shared-prefix", "repeated", "mt-bench")
 
 
-def workload_prompts(workload: str, base: list[str]) -> list[str]:
+def workload_prompts(workload: str, base: list[str], requests: int | None = None) -> list[str]:
     """The prompts of a workload over `base` (the mixed prompts): `mixed` as they are; `shared-prefix` each after the
-    same long system prompt; `repeated` the whole list twice in order (a retried or replayed batch of chats: the
-    second pass finds every prompt cached)."""
+    same long system prompt; `repeated` a list twice in order (a retried or replayed batch of chats: the second pass
+    finds every prompt cached and answered). With `requests` (a level's count) the repeated list is the first
+    `requests // 2` prompts, so a level sends both passes: the whole base list twice would give a level of fewer
+    requests than twice its length only first passes (prompt_index `i` and `i + requests // 2` are one prompt)."""
     if workload == "shared-prefix":
         return [f"{SHARED_SYSTEM_PROMPT}\n\nQuestion: {p}" for p in base]
     if workload == "repeated":
-        return base + base
+        once = base[:max(requests // 2, 1)] if requests is not None else base
+        return once + once
     if workload == "mt-bench":  # two-turn chats (bench/mt_bench.py): `base` does not apply
         return mt_bench_chats()
     if workload != "mixed":

@@ -237,6 +237,12 @@ def test_bench_workloads_share_a_long_prefix_or_repeat_the_list():
     shared = workload_prompts("shared-prefix", base)
     assert all(p.startswith(SHARED_SYSTEM_PROMPT) and p.endswith(q) for p, q in zip(shared, base))
     assert workload_prompts("repeated", base) == base + base and workload_prompts("mixed", base) == base
+    # a level of `requests` sends prompts[0:requests]: its second half repeats its first whatever the base's length
+    many = [f"q{i}?" for i in range(48)]
+    for requests in (4, 48, 96):
+        sent = workload_prompts("repeated", many, requests)[:requests]
+        half = requests // 2
+        assert len(sent) == requests and sent[half:] == sent[:half] == many[:half]
     with pytest.raises(ValueError, match="workload"):
         workload_prompts("other", base)
 
