@@ -308,6 +308,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if any(c < 1 for c in args.twin_concurrency):
         raise ConfigError("--twin-concurrency: every level must be >= 1")
     load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup,
+                   workload=args.workload,
                    twin_pairs=args.twin_pairs if args.twin else 0, twin_concurrency=tuple(args.twin_concurrency))
     prompts = workload_prompts(args.workload, mixed_prompts(args.questions), args.requests)
     twin = None

@@ -102,6 +102,8 @@ class LoadRun:
     # each ratio compares runs minutes apart, on a host whose speed can drift more than the overhead measured.
     twin_pairs: int = 0
     twin_concurrency: tuple[int, ...] = (1,)
+    # The prompts' workload (`workload_prompts`); `repeated` levels also report each pass apart (`repeat_passes`).
+    workload: str = "mixed"
 
 
 @dataclass
@@ -245,6 +247,24 @@ def level_summary(concurrency: int, results: list[RequestResult], wall: float) -
     }
 
 
+def repeat_passes(results: list[RequestResult], half: int, skip: int = 0) -> dict:
+    """The repeated workload's passes apart (prompt_index below `half`: first answers; from it: the repeats): each
+    pass's completed requests and its tokens per second of one stream (tokens over the requests' summed latency, so
+    concurrency does not enter), and second over first. The first `skip` prompts of each pass are left out: the
+    warm-up requests already answered them, so their first pass is a repeat too. A repeat at concurrency > 1 may start
+    before its first answer ended; at one request every repeat follows its first answer."""
+    out = {}
+    kept = [r for r in results if r.ok and r.prompt_index is not None and r.prompt_index % half >= skip]
+    for name, done in (("first", [r for r in kept if r.prompt_index < half]),
+                       ("second", [r for r in kept if r.prompt_index >= half])):
+        seconds = sum(r.latency for r in done)
+        out[f"{name}_pass_completed"] = len(done)
+        out[f"{name}_pass_tokens_per_s_per_stream"] = sum(r.tokens for r in done) / seconds if seconds else None
+    first, second = out["first_pass_tokens_per_s_per_stream"], out["second_pass_tokens_per_s_per_stream"]
+    out["second_over_first"] = second / first if first and second is not None else None
+    return out
+
+
 def turn2_ttft(ok: list[RequestResult]) -> dict:
     """TTFT of MT-Bench turn-2 requests alone (their prompts carry turn 1 and its answer); {} for other workloads."""
     ttft = [r.ttft for r in ok if r.turn == 2 and r.ttft is not None]
@@ -304,7 +324,8 @@ async def run_load(run: LoadRun, prompts: list[str], twin: InProcessTwin | None 
                 sent = sum(r.turn != 2 for r in results) if label == "speculative" else sent  # a chat counts once
                 wall = time.perf_counter() - t0
                 server = timing_delta(clocks, await server_timing(client, run))
-                summary.append({**level_summary(c, results, wall), **({"variant": label} if label else {}),
+                passes = repeat_passes(results, len(prompts) // 2, run.warmup) if run.workload == "repeated" else {}
+                summary.append({**level_summary(c, results, wall), **passes, **({"variant": label} if label else {}),
                                 **({"server": server} if server else {})})
                 raw[f"{c}-{label}" if label else str(c)] = [asdict(r) for r in results]
                 logger.info("concurrency %d %s: %s", c, label or "", summary[-1])
