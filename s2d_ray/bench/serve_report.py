@@ -35,8 +35,9 @@ def serve_markdown(result: dict) -> str:
                          f"{_f(s.get('turn2_ttft_ms_p90'))} |")
     passes = [s for s in result["summary"] if "second_over_first" in s]
     if passes:  # the repeated workload: first answers, then the same prompts again
-        lines += ["", "| level | first pass: requests, tok/s per stream | second pass: requests, tok/s per stream | "
-                  "second / first |", "|---|---|---|---|"]
+        header = ("| level | first pass: requests, tok/s per stream | second pass: requests, tok/s per stream | "
+                  "second / first |")
+        lines += ["", header, "|---|---|---|---|"]
         for s in passes:
             lines.append(f"| {_level(s)} | {s['first_pass_completed']}, "
                          f"{_f(s['first_pass_tokens_per_s_per_stream'], '{:.2f}')} | {s['second_pass_completed']}, "
