@@ -115,6 +115,7 @@ class RequestResult:
     chunk_gaps: list[float] = field(default_factory=list)
     error: str | None = None
     prompt_index: int | None = None  # which of the run's prompts
+    request_index: int | None = None  # its place in the level's order of sending (a level may cycle the prompts)
     token_ids: list[int] | None = None  # generated ids, with LoadRun.return_token_ids
     text: str = ""  # the generated text (an MT-Bench turn 2 carries turn 1's)
     turn: int | None = None  # 1 or 2 in the mt-bench workload
@@ -215,7 +216,7 @@ async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
             else:
                 done = [await one_request(client, run, item, asked)]
             for result in done:
-                result.prompt_index = i % len(prompts)
+                result.prompt_index, result.request_index = i % len(prompts), i
                 results.append(result)
 
     tasks = [asyncio.create_task(worker(models[w % len(models)] if models else None)) for w in range(concurrency)]
@@ -248,15 +249,16 @@ def level_summary(concurrency: int, results: list[RequestResult], wall: float) -
 
 
 def repeat_passes(results: list[RequestResult], half: int, skip: int = 0) -> dict:
-    """The repeated workload's passes apart (prompt_index below `half`: first answers; from it: the repeats): each
-    pass's completed requests and its tokens per second of one stream (tokens over the requests' summed latency, so
-    concurrency does not enter), and second over first. The first `skip` prompts of each pass are left out: the
-    warm-up requests already answered them, so their first pass is a repeat too. A repeat at concurrency > 1 may start
-    before its first answer ended; at one request every repeat follows its first answer."""
+    """The repeated workload's passes apart (the level's first `half` requests: first answers; the later ones, a
+    level that cycles the list included: repeats): each pass's completed requests and its tokens per second of one
+    stream (tokens over the requests' summed latency, so concurrency does not enter), and second over first. The first
+    `skip` prompts are left out of both: the warm-up requests already answered them, so their first pass is a repeat
+    too. A repeat at concurrency > 1 may start before its first answer ended (then the store holds nothing of it
+    yet); at one request every repeat follows its first answer."""
     out = {}
-    kept = [r for r in results if r.ok and r.prompt_index is not None and r.prompt_index % half >= skip]
-    for name, done in (("first", [r for r in kept if r.prompt_index < half]),
-                       ("second", [r for r in kept if r.prompt_index >= half])):
+    kept = [r for r in results if r.ok and r.request_index is not None and r.prompt_index % half >= skip]
+    for name, done in (("first", [r for r in kept if r.request_index < half]),
+                       ("second", [r for r in kept if r.request_index >= half])):
         seconds = sum(r.latency for r in done)
         out[f"{name}_pass_completed"] = len(done)
         out[f"{name}_pass_tokens_per_s_per_stream"] = sum(r.tokens for r in done) / seconds if seconds else None

@@ -252,19 +252,20 @@ def test_the_repeated_workload_reports_each_pass_apart_without_the_warmed_up_pro
     from s2d_ray.bench.serve_report import serve_markdown
 
     def result(index: int, latency: float, ok: bool = True) -> RequestResult:
-        return RequestResult(ok, latency, tokens=10, prompt_index=index)
+        return RequestResult(ok, latency, tokens=10, prompt_index=index % 6, request_index=index)
 
-    # prompts 0-2, then again; prompt 0 was a warm-up request, so its first pass is fast (a repeat already)
+    # prompts 0-2, then again; prompt 0 was a warm-up request, so its first pass is fast (a repeat already); request
+    # 7 cycles the list: prompt 1 a third time, a repeat
     results = [result(0, 0.1), result(1, 1.0), result(2, 1.0), result(3, 0.1), result(4, 0.4), result(5, 0.1),
-               result(5, 9.0, ok=False)]
+               result(6, 9.0, ok=False), result(7, 0.5)]
     passes = repeat_passes(results, 3, skip=1)
-    assert passes["first_pass_completed"] == passes["second_pass_completed"] == 2
-    assert passes["first_pass_tokens_per_s_per_stream"] == 10.0 and passes["second_pass_tokens_per_s_per_stream"] == 40.0
-    assert passes["second_over_first"] == 4.0
-    assert repeat_passes(results, 3)["second_over_first"] < 4.0  # the warm-up prompt counted: a smaller ratio
+    assert passes["first_pass_completed"] == 2 and passes["second_pass_completed"] == 3
+    assert passes["first_pass_tokens_per_s_per_stream"] == 10.0 and passes["second_pass_tokens_per_s_per_stream"] == 30.0
+    assert passes["second_over_first"] == 3.0
+    assert repeat_passes(results, 3)["second_over_first"] < 3.0  # the warm-up prompt counted: a smaller ratio
     summary = {**level_summary(1, results, 1.0), **passes}
     run = {"url": "u", "model": "m", "concurrency": [1], "max_tokens": 8, "temperature": 0.0, "requests": 6, "max_seconds": 1.0}
-    assert "| 1 | 2, 10.00 | 2, 40.00 | 4.00 |" in serve_markdown({"run": run, "summary": [summary]})
+    assert "| 1 | 2, 10.00 | 3, 30.00 | 3.00 |" in serve_markdown({"run": run, "summary": [summary]})
 
 
 def test_the_config_requires_a_positive_size_when_enabled():
