@@ -251,9 +251,9 @@ def _register_serve(bench) -> None:
     p.add_argument("--twin-concurrency", type=INTS, default=[1], help="comma list: the concurrencies the --twin "
                    "pairs run at (each pair's twin decodes with as many closed-loop clients)")
     p.add_argument("--workload", choices=["mixed", "shared-prefix", "repeated", "mt-bench"], default="mixed",
-                   help="prompts: the mixed ones; each after one ~700-token system prompt; or the mixed list twice "
-                   "(set --requests to the prompt count for one pass each; see docs/CACHING.md); or MT-Bench's two-turn chats, turn "
-                   "2 carrying turn 1's answer, its TTFT reported apart (a request = a chat)")
+                   help="prompts: the mixed ones; each after one ~700-token system prompt; or the first --requests / 2 "
+                   "mixed prompts twice (a level's second half repeats its first; see docs/CACHING.md); or MT-Bench's "
+                   "two-turn chats, turn 2 carrying turn 1's answer, its TTFT reported apart (a request = a chat)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench_results/serve-<time>)")
     p.set_defaults(func=run_serve)
 
@@ -308,8 +308,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if any(c < 1 for c in args.twin_concurrency):
         raise ConfigError("--twin-concurrency: every level must be >= 1")
     load = replace(_load_run(args, args.model), return_token_ids=args.check_greedy, warmup=args.warmup,
+                   workload=args.workload,
                    twin_pairs=args.twin_pairs if args.twin else 0, twin_concurrency=tuple(args.twin_concurrency))
-    prompts = workload_prompts(args.workload, mixed_prompts(args.questions))
+    prompts = workload_prompts(args.workload, mixed_prompts(args.questions), args.requests)
     twin = None
     if args.twin:  # built first: a config that cannot make the twin fails before the load runs
         from ..fleet.plan import read_app_config

@@ -48,14 +48,17 @@ SHARED_SYSTEM_PROMPT = "You are a careful assistant. " + " ".join(
 WORKLOADS = ("mixed", "shared-prefix", "repeated", "mt-bench")
 
 
-def workload_prompts(workload: str, base: list[str]) -> list[str]:
+def workload_prompts(workload: str, base: list[str], requests: int | None = None) -> list[str]:
     """The prompts of a workload over `base` (the mixed prompts): `mixed` as they are; `shared-prefix` each after the
-    same long system prompt; `repeated` the whole list twice in order (a retried or replayed batch of chats: the
-    second pass finds every prompt cached)."""
+    same long system prompt; `repeated` a list twice in order (a retried or replayed batch of chats: the second pass
+    finds every prompt cached and answered). With `requests` (a level's count) the repeated list is the first
+    `requests // 2` prompts, so a level sends both passes: the whole base list twice would give a level of fewer
+    requests than twice its length only first passes (prompt_index `i` and `i + requests // 2` are one prompt)."""
     if workload == "shared-prefix":
         return [f"{SHARED_SYSTEM_PROMPT}\n\nQuestion: {p}" for p in base]
     if workload == "repeated":
-        return base + base
+        once = base[:max(requests // 2, 1)] if requests is not None else base
+        return once + once
     if workload == "mt-bench":  # two-turn chats (bench/mt_bench.py): `base` does not apply
         return mt_bench_chats()
     if workload != "mixed":
@@ -99,6 +102,8 @@ class LoadRun:
     # each ratio compares runs minutes apart, on a host whose speed can drift more than the overhead measured.
     twin_pairs: int = 0
     twin_concurrency: tuple[int, ...] = (1,)
+    # The prompts' workload (`workload_prompts`); `repeated` levels also report each pass apart (`repeat_passes`).
+    workload: str = "mixed"
 
 
 @dataclass
@@ -110,6 +115,7 @@ class RequestResult:
     chunk_gaps: list[float] = field(default_factory=list)
     error: str | None = None
     prompt_index: int | None = None  # which of the run's prompts
+    request_index: int | None = None  # its place in the level's order of sending (a level may cycle the prompts)
     token_ids: list[int] | None = None  # generated ids, with LoadRun.return_token_ids
     text: str = ""  # the generated text (an MT-Bench turn 2 carries turn 1's)
     turn: int | None = None  # 1 or 2 in the mt-bench workload
@@ -210,7 +216,7 @@ async def run_level(client, run: LoadRun, concurrency: int, prompts: list[str],
             else:
                 done = [await one_request(client, run, item, asked)]
             for result in done:
-                result.prompt_index = i % len(prompts)
+                result.prompt_index, result.request_index = i % len(prompts), i
                 results.append(result)
 
     tasks = [asyncio.create_task(worker(models[w % len(models)] if models else None)) for w in range(concurrency)]
@@ -240,6 +246,25 @@ def level_summary(concurrency: int, results: list[RequestResult], wall: float) -
         "error_samples": sorted({r.error for r in results if r.error})[:3],
         **turn2_ttft(ok),
     }
+
+
+def repeat_passes(results: list[RequestResult], half: int, skip: int = 0) -> dict:
+    """The repeated workload's passes apart (the level's first `half` requests: first answers; the later ones, a
+    level that cycles the list included: repeats): each pass's completed requests and its tokens per second of one
+    stream (tokens over the requests' summed latency, so concurrency does not enter), and second over first. The first
+    `skip` prompts are left out of both: the warm-up requests already answered them, so their first pass is a repeat
+    too. A repeat at concurrency > 1 may start before its first answer ended (then the store holds nothing of it
+    yet); at one request every repeat follows its first answer."""
+    out = {}
+    kept = [r for r in results if r.ok and r.request_index is not None and r.prompt_index % half >= skip]
+    for name, done in (("first", [r for r in kept if r.request_index < half]),
+                       ("second", [r for r in kept if r.request_index >= half])):
+        seconds = sum(r.latency for r in done)
+        out[f"{name}_pass_completed"] = len(done)
+        out[f"{name}_pass_tokens_per_s_per_stream"] = sum(r.tokens for r in done) / seconds if seconds else None
+    first, second = out["first_pass_tokens_per_s_per_stream"], out["second_pass_tokens_per_s_per_stream"]
+    out["second_over_first"] = second / first if first and second is not None else None
+    return out
 
 
 def turn2_ttft(ok: list[RequestResult]) -> dict:
@@ -301,7 +326,8 @@ async def run_load(run: LoadRun, prompts: list[str], twin: InProcessTwin | None 
                 sent = sum(r.turn != 2 for r in results) if label == "speculative" else sent  # a chat counts once
                 wall = time.perf_counter() - t0
                 server = timing_delta(clocks, await server_timing(client, run))
-                summary.append({**level_summary(c, results, wall), **({"variant": label} if label else {}),
+                passes = repeat_passes(results, len(prompts) // 2, run.warmup) if run.workload == "repeated" else {}
+                summary.append({**level_summary(c, results, wall), **passes, **({"variant": label} if label else {}),
                                 **({"server": server} if server else {})})
                 raw[f"{c}-{label}" if label else str(c)] = [asdict(r) for r in results]
                 logger.info("concurrency %d %s: %s", c, label or "", summary[-1])

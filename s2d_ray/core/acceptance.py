@@ -27,13 +27,19 @@ class AcceptanceModel:
     # token), from replaying lookup on held-out greedy paths. A continuation after a 4-token match is right about
     # three times as often as one after a 1-token match: one estimate for both kept the 1-token matches' nodes where
     # they cost more than they yield, or dropped the 4-token ones where they pay.
-    LOOKUP_PRIORS = ((0.5, 0.8), (0.3, 0.65), (0.5, 0.7), (0.55, 0.7), (0.9, 0.87))
+    # The last entry: a match of at least LONG_MATCH tokens, kept apart from 4-grams. Such a match is mostly a text
+    # repeated whole (the store of earlier outputs proposes alone from the same length, core/suffix.py) and runs on for
+    # its whole continuation; valued with the 4-grams, whose continuations in new text soon diverge, a repeat's
+    # nodes past the first few ranked low, were never verified there, so their estimates never rose: a repeat of a
+    # finished answer at batch 8 verified 4 of the store's 16 nodes a round and accepted all 4.
+    LOOKUP_PRIORS = ((0.5, 0.8), (0.3, 0.65), (0.5, 0.7), (0.55, 0.7), (0.9, 0.87), (0.95, 0.97))
+    LONG_MATCH = 8
 
     def __init__(self, prior_weight: float = 4.0) -> None:
         lows = (0.0,) + SCORE_EDGES[:-1]
         centres = [(lo + min(hi, 1.0)) / 2 for lo, hi in zip(lows, SCORE_EDGES)]
         self.draft = [[0.8 * c * prior_weight, prior_weight] for c in centres]  # [accepted, offered] per bin
-        # [matched suffix length bucket][depth - 1] -> [accepted, offered]
+        # [matched suffix length bucket (`_bucket`)][depth - 1] -> [accepted, offered]
         self.lookup = [[[p * r ** d * prior_weight, prior_weight] for d in range(MAX_LOOKUP_DEPTH)]
                        for p, r in self.LOOKUP_PRIORS]
         self.branch = [[0.15 * 0.7 ** d * prior_weight, prior_weight] for d in range(MAX_LOOKUP_DEPTH)]
@@ -42,11 +48,17 @@ class AcceptanceModel:
     def _bin(score: float) -> int:
         return min(bisect.bisect_right(SCORE_EDGES, score), len(SCORE_EDGES) - 1)
 
+    @classmethod
+    def _bucket(cls, ngram: int) -> int:
+        """0-4 by matched suffix length (4: up to LONG_MATCH - 1 tokens), then one bucket for long matches."""
+        long = len(cls.LOOKUP_PRIORS) - 1
+        return long if ngram >= cls.LONG_MATCH else min(max(ngram, 0), long - 1)
+
     def _lookup_cell(self, exit_layer: int, depth: int, ngram: int = 0) -> list[float]:
         d = min(depth, MAX_LOOKUP_DEPTH) - 1
         if exit_layer != LOOKUP:
             return self.branch[d]
-        return self.lookup[min(max(ngram, 0), len(self.lookup) - 1)][d]
+        return self.lookup[self._bucket(ngram)][d]
 
     def _lookup_p(self, exit_layer: int, depth: int, ngram: int = 0) -> float:
         acc, off = self._lookup_cell(exit_layer, depth, ngram)

@@ -89,6 +89,31 @@ def test_budget_values_lookup_nodes_by_the_suffix_length_they_matched():
     assert acc.estimate(plain)[0] == pytest.approx(0.5)
 
 
+def test_a_long_match_keeps_its_whole_continuation_after_4_gram_continuations_diverged():
+    """A match of 8+ tokens (a repeated answer in the store of earlier outputs) is valued apart from 4-gram matches:
+    after rounds in which 4-gram continuations diverged past their second token, a batch of 8 rows with a 16-token
+    long match each still verifies most of it. Valued with the 4-grams, the long matches got the same 2 nodes (served
+    at 8 requests, a repeat verified 4 of its 16 store nodes a round and accepted every one)."""
+    from s2d_ray.core.budget import SpeculationBudget, TreeShape
+    from s2d_ray.core.costs import CostModel
+
+    costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 20.0, 32: 36.0},
+                       8: {1: 14.0, 2: 17.0, 4: 22.0, 8: 32.0, 16: 52.0, 32: 95.0}}, [1.0, 1.5, 2.0])
+    budget = SpeculationBudget(TreeShape(width=1, lookup=True, max_nodes=24), costs, max_depth=6)
+
+    def chain(ngram: int) -> TokenTree:
+        tree = TokenTree()
+        tree.add_path(list(range(16)), [LOOKUP] * 16, [0.0] * 16)
+        tree.match_ngram = ngram
+        return tree
+
+    for _ in range(40):
+        budget.observe(chain(4), [0, 1])
+    four = budget.node_cap([budget.acceptance.estimate(chain(4))] * 8)
+    long = budget.node_cap([budget.acceptance.estimate(chain(8))] * 8)
+    assert four <= 2 and long >= 12, (four, long)
+
+
 def test_engine_observes_trees_with_their_match_length(target):
     """The engine's shape and verify steps carry the match length through to what the budget learns from."""
     engine = lookup_engine(target, candidates=1)

@@ -237,8 +237,35 @@ def test_bench_workloads_share_a_long_prefix_or_repeat_the_list():
     shared = workload_prompts("shared-prefix", base)
     assert all(p.startswith(SHARED_SYSTEM_PROMPT) and p.endswith(q) for p, q in zip(shared, base))
     assert workload_prompts("repeated", base) == base + base and workload_prompts("mixed", base) == base
+    # a level of `requests` sends prompts[0:requests]: its second half repeats its first whatever the base's length
+    many = [f"q{i}?" for i in range(48)]
+    for requests in (4, 48, 96):
+        sent = workload_prompts("repeated", many, requests)[:requests]
+        half = requests // 2
+        assert len(sent) == requests and sent[half:] == sent[:half] == many[:half]
     with pytest.raises(ValueError, match="workload"):
         workload_prompts("other", base)
+
+
+def test_the_repeated_workload_reports_each_pass_apart_without_the_warmed_up_prompts():
+    from s2d_ray.bench.serve import RequestResult, level_summary, repeat_passes
+    from s2d_ray.bench.serve_report import serve_markdown
+
+    def result(index: int, latency: float, ok: bool = True) -> RequestResult:
+        return RequestResult(ok, latency, tokens=10, prompt_index=index % 6, request_index=index)
+
+    # prompts 0-2, then again; prompt 0 was a warm-up request, so its first pass is fast (a repeat already); request
+    # 7 cycles the list: prompt 1 a third time, a repeat
+    results = [result(0, 0.1), result(1, 1.0), result(2, 1.0), result(3, 0.1), result(4, 0.4), result(5, 0.1),
+               result(6, 9.0, ok=False), result(7, 0.5)]
+    passes = repeat_passes(results, 3, skip=1)
+    assert passes["first_pass_completed"] == 2 and passes["second_pass_completed"] == 3
+    assert passes["first_pass_tokens_per_s_per_stream"] == 10.0 and passes["second_pass_tokens_per_s_per_stream"] == 30.0
+    assert passes["second_over_first"] == 3.0
+    assert repeat_passes(results, 3)["second_over_first"] < 3.0  # the warm-up prompt counted: a smaller ratio
+    summary = {**level_summary(1, results, 1.0), **passes}
+    run = {"url": "u", "model": "m", "concurrency": [1], "max_tokens": 8, "temperature": 0.0, "requests": 6, "max_seconds": 1.0}
+    assert "| 1 | 2, 10.00 | 3, 30.00 | 3.00 |" in serve_markdown({"run": run, "summary": [summary]})
 
 
 def test_the_config_requires_a_positive_size_when_enabled():

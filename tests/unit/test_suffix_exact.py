@@ -1,6 +1,6 @@
 """Drafting from earlier outputs stays lossless: greedy output with the store equals plain decoding (float64), a
-repeated prompt's second pass accepts more per round, a wrong acceptance rule is caught, and an opted-out request
-neither reads nor adds to the store."""
+repeated prompt's second pass accepts more per round (a batch of them under measured costs too), a wrong acceptance
+rule is caught, and an opted-out request neither reads nor adds to the store."""
 
 from __future__ import annotations
 
@@ -173,3 +173,36 @@ def test_the_built_engine_wires_one_store_into_drafter_and_engine():
     assert isinstance(drafter, TreeDrafter) and drafter.suffix is store and budget is not None
     drafter, budget = make_speculation(SpecConfig(mode="exit:2"), "draft", None, None)
     assert drafter == "draft" and budget is None
+
+
+def test_a_batch_repeat_under_the_load_aware_budget_takes_the_stores_continuations(target):
+    """With measured costs (the served budget) a batch of repeats verifies the store's long continuations: their
+    8-token matches are valued apart from prompt lookup's 4-gram matches, which diverge after a few tokens in new
+    text (core/acceptance.py). Outputs stay those of plain decoding; control: the same engine without the store."""
+    from s2d_ray.core.costs import CostModel
+
+    costs = CostModel({1: {1: 10.0, 2: 10.5, 4: 11.0, 8: 13.0, 16: 20.0, 32: 36.0},
+                       8: {1: 14.0, 2: 17.0, 4: 22.0, 8: 32.0, 16: 52.0, 32: 95.0}}, [1.0, 1.5, 2.0])
+    ps = random_prompts(8, seed=11, lo=10, hi=16)
+
+    def batch(eng: SpecEngine, tag: str) -> list:
+        return eng.generate([GenerationRequest(f"{tag}{i}", p, 48, SamplingParams(), processors=penalty_processors(
+            PENALTIES, len(p), ())) for i, p in enumerate(ps)])
+
+    def engine(store: SuffixStore | None) -> SpecEngine:
+        drafter = TreeDrafter(SortedDrafter(noisy_draft(target)), PromptLookup(max_ngram=4, num_tokens=8),
+                              alone_ngram=4, suffix=store)
+        budget = SpeculationBudget(TreeShape(width=2, lookup=True, max_nodes=24), costs, max_depth=6)
+        return SpecEngine(TargetVerifier(target, kernels=KERNELS), drafter, FixedK(3), budget=budget, suffix=store)
+
+    want = [r.token_ids for r in batch(SpecEngine(TargetVerifier(target, kernels=KERNELS)), "ref")]
+    eng = engine(SuffixStore(SuffixSpec(max_tokens=8192)))
+    first, again = batch(eng, "a"), batch(eng, "b")
+    off = engine(None)
+    batch(off, "a")
+    off_again = batch(off, "b")
+    assert [r.token_ids for r in first] == [r.token_ids for r in again] == [r.token_ids for r in off_again] == want
+    # 8 rows of 48 tokens: the repeat accepts about 13 store tokens a round (about 5 when a long match was valued as
+    # a 4-gram one); the first pass and a repeat without the store about none (a noisy draft, penalised text)
+    assert accepted_per_round(again) >= 10
+    assert max(accepted_per_round(first), accepted_per_round(off_again)) < 1
