@@ -4,8 +4,8 @@
 #
 #   S2D_DATA_DIR=/path/to/data scripts/readme_figures.sh [section ...]
 #
-# Sections, in the README's order: spec-bench floor served prefix mt-bench held-out structured deterministic
-# plan-check (default: all). Records go to bench_results/<benchmark>/ as BENCHMARKS.md names them; the commit and the
+# Sections, in the README's order: spec-bench floor served prefix suffix mt-bench held-out structured
+# deterministic plan-check (default: all). Records go to bench_results/<benchmark>/ as BENCHMARKS.md names them; the commit and the
 # machine are printed at the start and written to bench_results/README-figures.json. GPU rows are not produced here
 # (scripts/gpu_check.sh on a GPU machine).
 set -euo pipefail
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 S2D=${S2D:-.venv/bin/s2d}
 SERVE=${SERVE:-.venv/bin/serve}
 URL=http://127.0.0.1:8000
-sections=${*:-spec-bench floor served prefix mt-bench held-out structured deterministic plan-check}
+sections=${*:-spec-bench floor served prefix suffix mt-bench held-out structured deterministic plan-check}
 commit=$(git rev-parse --short HEAD)
 if ! git diff --quiet HEAD -- s2d_ray deployments; then
   echo "the working tree differs from $commit: commit first, so every figure names one commit" >&2
@@ -76,6 +76,18 @@ for section in $sections; do
           '$S2D' bench serve --url $URL --model smollm2-135m-instruct --workload repeated --concurrency 1,8 \
             --requests 96 --max-tokens 64 --max-seconds 120 --temperature 0 \
             --out bench_results/prefix-cache/$variant-repeated"
+      done ;;
+    suffix)  # §9: drafting from earlier outputs, a fresh app per row (the store outlives a level)
+      for store in off on; do
+        overrides="{\"suffix\": {\"enabled\": $([ $store = on ] && echo true || echo false), \"max_tokens\": 65536}}"
+        for c in 1 8; do
+          with_app "$overrides" "$S2D" bench serve --url $URL --model smollm2-135m-instruct --workload repeated \
+            --concurrency $c --requests 48 --max-tokens 96 --max-seconds 600 \
+            --questions "$S2D_DATA_DIR/spec_bench/question.jsonl" --out bench_results/suffix/$store-c$c
+        done
+        with_app "$overrides" "$S2D" bench serve --url $URL --model smollm2-135m-instruct --workload mixed \
+          --concurrency 1 --requests 48 --max-tokens 96 --max-seconds 600 \
+          --questions "$S2D_DATA_DIR/spec_bench/question.jsonl" --out bench_results/suffix/mixed-$store
       done ;;
     mt-bench)  # §9: turn-2 time to first token
       for variant in cache nocache; do
