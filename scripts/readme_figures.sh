@@ -5,9 +5,9 @@
 #   S2D_DATA_DIR=/path/to/data scripts/readme_figures.sh [section ...]
 #
 # Sections, in the README's order: spec-bench floor served prefix suffix mt-bench held-out structured
-# deterministic plan-check (default: all). Records go to bench_results/<benchmark>/ as BENCHMARKS.md names them; the commit and the
-# machine are printed at the start and written to bench_results/README-figures.json. GPU rows are not produced here
-# (scripts/gpu_check.sh on a GPU machine).
+# deterministic plan-check (default: all). Records go to bench_results/<benchmark>/ as BENCHMARKS.md names them; the
+# commit is printed at the start, and bench_results/README-figures.json keeps the commit of each section's figures.
+# GPU rows are not produced here (scripts/gpu_check.sh on a GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${S2D_DATA_DIR:?set S2D_DATA_DIR to the data directory (spec_bench/, fastchat/mt_bench/)}"
@@ -20,8 +20,16 @@ if ! git diff --quiet HEAD -- s2d_ray deployments; then
   echo "the working tree differs from $commit: commit first, so every figure names one commit" >&2
   exit 2
 fi
-echo "{\"commit\": \"$commit\", \"date\": \"$(date -u +%F)\", \"sections\": \"$sections\"}" \
-  > bench_results/README-figures.json
+# Which commit each section's figures come from: the sections run now replace their entries, the others stay.
+.venv/bin/python - "$commit" "$(date -u +%F)" $sections <<'EOF'
+import json, sys
+from pathlib import Path
+path = Path("bench_results/README-figures.json")
+known = json.loads(path.read_text()) if path.exists() else {}
+known = known if all(isinstance(v, dict) for v in known.values()) else {}  # an older one-commit record: start over
+known.update({section: {"commit": sys.argv[1], "date": sys.argv[2]} for section in sys.argv[3:]})
+path.write_text(json.dumps(known, indent=1) + "\n")
+EOF
 echo "figures at $commit: $sections" >&2
 
 # Serve deployments/local.yaml with extra `args:` (a JSON object merged in), wait until it runs, run "$@", stop it.
