@@ -102,13 +102,14 @@ for section in $sections; do
           --concurrency 1 --requests 48 --max-tokens 96 --max-seconds 600 \
           --questions "$S2D_DATA_DIR/spec_bench/question.jsonl" --out bench_results/suffix/mixed-$store
       done ;;
-    mt-bench)  # §9: turn-2 time to first token; the store off: the second level resends the first level's chats
-      for variant in cache nocache; do
+    mt-bench)  # §9: turn-2 time to first token, two runs; the store off: level 8 resends level 1's chats
+      for run in 1 2; do for variant in cache nocache; do
         overrides='{"suffix": {"enabled": false}}'
         [ $variant = nocache ] && overrides='{"suffix": {"enabled": false}, "prefix_cache": {"enabled": false}}'
         with_app "$overrides" "$S2D" bench serve --url $URL --model smollm2-135m-instruct --workload mt-bench \
-          --concurrency 1,8 --requests 16 --max-tokens 64 --max-seconds 240 --out bench_results/mt-bench/$variant
-      done ;;
+          --concurrency 1,8 --requests 16 --max-tokens 64 --max-seconds 240 \
+          --out bench_results/mt-bench/run-$run/$variant
+      done; done ;;
     held-out)  # §2: the draft's agreement along the targets' greedy paths, modelled speed
       for t in smollm2-135m-instruct smollm2-135m-gsm8k; do
         "$S2D" calibrate --target $t --draft smollm2-135m-s2d --paths data/draftq/heldout/$t.jsonl --dtype bfloat16 \
