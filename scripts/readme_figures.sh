@@ -14,6 +14,8 @@ cd "$(dirname "$0")/.."
 S2D=${S2D:-.venv/bin/s2d}
 SERVE=${SERVE:-.venv/bin/serve}
 URL=http://127.0.0.1:8000
+# The store of earlier outputs off: for benchmarks that resend the same prompts, which it would answer from before.
+NO_STORE='"suffix": {"enabled": false}'
 sections=${*:-spec-bench floor served prefix suffix mt-bench held-out structured deterministic plan-check}
 commit=$(git rev-parse --short HEAD)
 if ! git diff --quiet HEAD -- s2d_ray deployments; then
@@ -74,14 +76,14 @@ for section in $sections; do
       # every level sends the same prompts again and S2D would answer them from the level before. Two runs, a fresh app
       # each: a level's ratio moves by several percent from run to run.
       for run in 1 2; do
-        with_app '{"suffix": {"enabled": false}}' "$S2D" bench serve --url $URL --model smollm2-135m-instruct \
+        with_app "{$NO_STORE}" "$S2D" bench serve --url $URL --model smollm2-135m-instruct \
           --concurrency 1,2,4,8,16,32,64 --requests 64 --max-seconds 50 --max-tokens 48 --compare-plain \
           --questions "$S2D_DATA_DIR/spec_bench/question.jsonl" --out bench_results/served-sweep/run-$run
       done ;;
     prefix)  # §9: shared prompt and repeated chats, with and without the prefix cache
       for variant in cache nocache; do
-        overrides='{"suffix": {"enabled": false}}'  # the prefix cache alone
-        [ $variant = nocache ] && overrides='{"suffix": {"enabled": false}, "prefix_cache": {"enabled": false}}'
+        overrides="{$NO_STORE}"  # the prefix cache alone
+        [ $variant = nocache ] && overrides="{$NO_STORE, \"prefix_cache\": {\"enabled\": false}}"
         with_app "$overrides" bash -c "
           '$S2D' bench serve --url $URL --model smollm2-135m-instruct --workload shared-prefix --concurrency 1,8 \
             --requests 24 --max-tokens 64 --max-seconds 120 --temperature 0 \
@@ -104,8 +106,8 @@ for section in $sections; do
       done ;;
     mt-bench)  # §9: turn-2 time to first token, two runs; the store off: level 8 resends level 1's chats
       for run in 1 2; do for variant in cache nocache; do
-        overrides='{"suffix": {"enabled": false}}'
-        [ $variant = nocache ] && overrides='{"suffix": {"enabled": false}, "prefix_cache": {"enabled": false}}'
+        overrides="{$NO_STORE}"
+        [ $variant = nocache ] && overrides="{$NO_STORE, \"prefix_cache\": {\"enabled\": false}}"
         with_app "$overrides" "$S2D" bench serve --url $URL --model smollm2-135m-instruct --workload mt-bench \
           --concurrency 1,8 --requests 16 --max-tokens 64 --max-seconds 240 \
           --out bench_results/mt-bench/run-$run/$variant

@@ -51,9 +51,9 @@ WORKLOADS = ("mixed", "shared-prefix", "repeated", "mt-bench")
 def workload_prompts(workload: str, base: list[str], requests: int | None = None) -> list[str]:
     """The prompts of a workload over `base` (the mixed prompts): `mixed` as they are; `shared-prefix` each after the
     same long system prompt; `repeated` a list twice in order (a retried or replayed batch of chats: the second pass
-    finds every prompt cached and answered). With `requests` (a level's count) the repeated list is the first
-    `requests // 2` prompts, so a level sends both passes: the whole base list twice would give a level of fewer
-    requests than twice its length only first passes (prompt_index `i` and `i + requests // 2` are one prompt)."""
+    finds every prompt cached and answered). The repeated list is the first `requests // 2` prompts when `requests`
+    (a level's count) is given, so that a level sends both passes (prompt_index `i` and `i + requests // 2` are one
+    prompt); the whole base list twice would let a level shorter than it send first answers only."""
     if workload == "shared-prefix":
         return [f"{SHARED_SYSTEM_PROMPT}\n\nQuestion: {p}" for p in base]
     if workload == "repeated":

@@ -162,11 +162,13 @@ def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     allows (a view of a larger cache buffer, heads inner or outer) -> (rows, row step, head step, slot step): slot s
     of (row i, head j) is row i * row step + j * head step + s * slot step."""
     d = cache.shape[3]
-    steps = [stride if size > 1 else 0 for stride, size in zip(cache.stride(), cache.shape)]  # a size-1 dim: any
-    if steps[3] not in (0, 1) or any(step % d for step in steps[:3]):
+
+    def steps(t: torch.Tensor) -> list[int]:  # a size-1 dimension's stride is arbitrary: it never moves
+        return [stride if size > 1 else 0 for stride, size in zip(t.stride(), t.shape)]
+
+    if steps(cache)[3] not in (0, 1) or any(step % d for step in steps(cache)[:3]):
         cache = cache.contiguous()
-        steps = [stride if size > 1 else 0 for stride, size in zip(cache.stride(), cache.shape)]
-    row, head, slot = (step // d for step in steps[:3])
+    row, head, slot = (step // d for step in steps(cache)[:3])
     count = sum((size - 1) * step for size, step in zip(cache.shape[:3], (row, head, slot))) + 1
     return cache.as_strided((count, d), (d, 1), cache.storage_offset()), row, head, slot
 
@@ -194,7 +196,6 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     part = _block_matmul(weights.to(value.dtype).view(n, g, KEY_BLOCK), value.reshape(n, KEY_BLOCK, d))
     out = part.view(r, kvh, blocks, g, d).to(acc).cumsum(2)[:, :, -1]
     return (out / total.clamp_min(torch.finfo(acc).tiny)[..., None]).to(value.dtype)
-
 
 
 def _block_matmul(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
