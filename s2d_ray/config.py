@@ -244,7 +244,9 @@ class EngineConfig(_Strict):
         128, ge=0, description="Prompt positions a round carries beside running streams: a longer prompt fills over "
         "several rounds, its chunks in the same target forward as the decode and verify positions, so it does not "
         "stall them (with a calibration the cost grid may lower it, so a round costs at most about two plain steps). "
-        "0: every prompt fills whole in the round it joins, in forwards of its own."
+        "A served plain round keeps its greedy steps per call while prompts fill (the filling row's first token "
+        "waits for them). 0: every prompt fills whole in the round it joins, in forwards of its own, and that round "
+        "is one pass for everyone (the first token does not wait)."
     )
     prefix_cache: PrefixCacheConfig = Field(PrefixCacheConfig(), description="Prefix cache across requests.")
     suffix: SuffixConfig = Field(SuffixConfig(), description="Drafting from earlier outputs (off by default).")

@@ -296,10 +296,15 @@ class SpecEngine:
         """Step 3's input: committed + draft tokens, asking for one logit row per draft token plus one (and rows over
         the whole prompt in the first round of a sequence that wants prompt logprobs; that round drafts nothing).
         In a round where no row has draft tokens (plain decoding, every row opted out, or speculation switched off
-        for the round), a greedy row asks for up to `plain_steps` tokens in the one call; a round in which a row fills
-        its prompt is one pass (its first token streams right after the prefill, not after the others' steps)."""
+        for the round), a greedy row asks for up to `plain_steps` tokens in the one call. A row that fills its prompt
+        this round: with whole prompts (`prompt_tokens` 0) the round is one pass for everyone, so its first token
+        streams right after the prefill; with prompt chunks on, the decoding rows keep their steps and the filling row
+        takes them too (its first token waits for them), as vLLM's multi-step scheduling runs prefills in the first
+        step: otherwise every round that finishes a chunked prompt would cost the running streams their steps."""
+        rows = [seq for seq in (self.seqs.get(d.seq_id) for d in drafts) if seq is not None]
+        filling_keeps_steps = self.prompt_tokens > 0 and any(seq.generated for seq in rows)
         plain = self.plain_steps > 1 and not any(p.tokens for p in proposals) and \
-            all(seq.generated for seq in (self.seqs.get(d.seq_id) for d in drafts) if seq is not None)
+            (filling_keeps_steps or all(seq.generated for seq in rows))
         out = []
         for d, p in zip(drafts, proposals):
             n = len(p.tokens) + 1

@@ -64,8 +64,9 @@ class TargetSpec(TargetConfig, DeploymentOptions, BatchOptions, TargetSizing):
         4, ge=1, le=64, description="Greedy tokens per target call in a round where no row has draft tokens (`mode: "
         "ar`, every request `speculate: false`, or drafting switched off for the round by the load-aware budget): "
         "each call costs a Ray round trip, so a plain row takes up to this many of the target's own argmax steps per "
-        "call. Same tokens; they stream in bursts, and a new request waits up to this many steps to join (the round "
-        "that fills its prompt is one pass, so its first token does not wait). 1: one step per call. Tensor-parallel "
+        "call. Same tokens; they stream in bursts, and a new request waits up to this many steps to join. The round "
+        "that fills a prompt is one pass with `prompt_round_tokens: 0` (its first token does not wait); with prompt "
+        "chunks the running rows keep their steps in it. 1: one step per call. Tensor-parallel "
         "targets always take one (their ranks step in lockstep)."
     )
     placement: Literal["deployment", "router"] = Field(

@@ -147,6 +147,18 @@ def test_rows_that_opted_out_never_reach_the_drafter(target):
     assert seen == {"spec"} and drafter.num_active == 0
 
 
+def stepper(engine: SpecEngine, got: dict[str, list[int]]):
+    """One engine round per call: its outputs by sequence, their tokens appended to `got`."""
+
+    def step() -> dict:
+        outs = {o.seq_id: o for o in engine.step()}
+        for seq_id, o in outs.items():
+            got[seq_id] += o.new_tokens
+        return outs
+
+    return step
+
+
 def test_a_round_that_fills_a_prompt_is_one_pass(target):
     """A request joining mid-stream: the round that prefills it steps every row once, so its first token (and the
     riding row's next one) returns after one pass, not after the others' extra steps; the tokens stay greedy."""
@@ -155,12 +167,7 @@ def test_a_round_that_fills_a_prompt_is_one_pass(target):
     shipped = Shipped(TargetVerifier(target))
     engine = SpecEngine(shipped, plain_steps=4)
     got: dict[str, list[int]] = {"a": [], "b": []}
-
-    def step() -> dict:
-        outs = {o.seq_id: o for o in engine.step()}
-        for seq_id, o in outs.items():
-            got[seq_id] += o.new_tokens
-        return outs
+    step = stepper(engine, got)
 
     engine.add_request(GenerationRequest("a", prompts[0], 12))
     step(), step()  # a's prompt (one pass), then a plain round of 4 steps
@@ -173,3 +180,34 @@ def test_a_round_that_fills_a_prompt_is_one_pass(target):
         step()
     assert got == {"a": ref[0], "b": ref[1]}
     assert [c["a"] for c in shipped.calls if "a" in c] == [1, 4, 1, 4, 2]  # 12 tokens, 5 calls
+
+
+def test_with_prompt_chunks_the_round_that_fills_a_prompt_keeps_the_steps(target):
+    """Prompt chunks on: a request joining mid-stream fills its prompt in chunks beside the running row, and the round
+    that fills its last chunk still steps the running row (and the new one) `plain_steps` times, so chunked prompts
+    cost running streams no steps; a round of prompts alone stays one pass (the first token does not wait). The
+    tokens stay greedy. The control is the test above: whole prompts make that round one pass."""
+    prompts = random_prompts(2, seed=11)
+    prompts[1] = prompts[1] * 3  # long enough for two chunks of 8 positions
+    ref = [reference_greedy(target, p, n) for p, n in zip(prompts, (40, 12))]
+    shipped = Shipped(TargetVerifier(target))
+    engine = SpecEngine(shipped, plain_steps=4, prompt_tokens=8)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    step = stepper(engine, got)
+
+    engine.add_request(GenerationRequest("a", prompts[0], 40))  # still decoding when b fills
+    step()
+    assert shipped.calls[-1] == {"a": 1}  # a prompt alone: one pass
+    step()
+    engine.add_request(GenerationRequest("b", prompts[1], 12))
+    rounds = []
+    while "b" not in got or not got["b"]:
+        before = len(shipped.calls)
+        outs = step()
+        rounds.append(shipped.calls[before:])
+    # b's chunks ride in the first call of rounds where a steps 4 times; the round that fills its last part steps both
+    assert len(rounds) > 1 and all(r[0]["a"] == 4 for r in rounds)
+    assert rounds[-1][0] == {"a": 4, "b": 4} and len(outs["b"].new_tokens) == 4
+    while engine.has_unfinished:
+        step()
+    assert got == {"a": ref[0], "b": ref[1]}
