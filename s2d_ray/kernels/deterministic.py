@@ -7,9 +7,11 @@ masked key range sums its softmax in another order than over a row's own keys. S
 tree, a batch of sequences or a prompt rounds differently from decoding each position alone, and bf16 greedy
 speculation parts from plain decoding at near-ties. Here:
 
-- projections and the LM head run on exactly CHUNK_ROWS rows per call (rows split into chunks, the last padded with
-  zeros): every row goes through the same GEMM call shape, whose per-row result depends on neither the row's place
-  in the chunk nor the other rows; on the CPU on a weight reordered once for that shape (oneDNN), not on every call;
+- projections and the LM head run on rows padded with zeros to a multiple of CHUNK_ROWS, each call a GEMM of
+  CHUNK_ROWS rows or of a larger row count this CPU has been seen to compute bit for bit as CHUNK_ROWS-row calls
+  (`invariant_call_rows`: probed once per weight shape, dtype and thread count; a row count the probe did not
+  confirm is never run), so a row's result depends on neither its place in the call nor the other rows; on the CPU
+  on a weight reordered once (oneDNN), not on every call;
 - attention gives each query row exactly its own keys in decode order (a tree node: its prefix and ancestors, as a
   decode step at that node reads them) and computes it in KEY_BLOCK-wide blocks of one matmul shape, summed by a
   sequential scan (`blocked_attention`): a row's result is the same whatever the pass's width, padding or other
@@ -24,7 +26,8 @@ CHUNK_ROWS rows, attention gathers every row's keys, and CUDA graphs are off.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +40,57 @@ from .attention import CPU_GROUPED, use_grouped
 from .linear import _packed_linear, supported, with_linears
 from .threads import FixedPasses, intra_op_threads
 
-CHUNK_ROWS = 8  # rows per projection call: a decode step's one row pays for 8, a pass of 9..16 positions two calls
+CHUNK_ROWS = 8  # the row count every projection call is a multiple of: a decode step's one row pays for 8
+# Larger calls a projection may make (rows in CHUNK_ROWS times a power of two), each only where the probe confirms it
+# equals CHUNK_ROWS-row calls bit for bit: a pass of 40 rows is then a call of 32 and one of 8, not five of 8.
+CALL_ROWS = tuple(CHUNK_ROWS << j for j in range(7))
 KEY_BLOCK = 32  # keys per attention block (blocked_attention): every attention matmul the same shape
 ROWS_PER_CALL = 64  # query rows per blocked_attention call: bounds the gathered keys of a long prompt's pass
 MATMUL_MIN = 16 * 16 * 16  # torch's CPU matmul runs oneDNN above this many multiply-adds per call (reduced types)
 
 
+@dataclass(frozen=True)
+class CallKernel:
+    """A projection's GEMM for one call's rows; `packed`: oneDNN on the reordered weight (the kernel the call-size
+    probe vouches for; any other takes CHUNK_ROWS rows per call)."""
+
+    run: Callable[[torch.Tensor], torch.Tensor]
+    packed: bool
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.run(rows)
+
+
+def call_plan(rows: int, sizes: tuple[int, ...]) -> list[int]:
+    """`rows` (a multiple of CHUNK_ROWS) as calls of the allowed sizes, largest first (CHUNK_ROWS is always one)."""
+    out, left = [], rows
+    for size in sorted(sizes, reverse=True):
+        while left >= size:
+            out.append(size)
+            left -= size
+    return out
+
+
+@functools.cache
+def invariant_call_rows(out_features: int, in_features: int, dtype: torch.dtype, threads: int,
+                        bias: bool) -> tuple[int, ...]:
+    """The CALL_ROWS sizes whose rows the packed GEMM computes bit for bit as CHUNK_ROWS-row calls do, on this CPU at
+    this thread count. oneDNN picks its kernel and blocking by shape, dtype, ISA and threads, never by the values, so
+    one probe on random numbers per weight shape answers for every call of that shape; a size whose rows differ
+    anywhere is left out (its calls are split further). Run inside a pass, so on the pass's thread count."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, CHUNK_ROWS)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(CALL_ROWS[-1], in_features, generator=gen).to(dtype)
+    chunks = torch.cat([_packed_linear(c, packed, b) for c in x.split(CHUNK_ROWS)])
+    return tuple(n for n in CALL_ROWS if n == CHUNK_ROWS or torch.equal(_packed_linear(x[:n], packed, b), chunks[:n]))
+
+
 class RowChunkedLinear(nn.Module):
-    """x @ weight.T + bias, always as GEMMs of CHUNK_ROWS rows: batch-invariant (each row's result is the same in
-    any pass). The weight and bias are the original tensors (shared, same state-dict keys).
+    """x @ weight.T + bias as GEMMs of CHUNK_ROWS rows or of the larger row counts `invariant_call_rows` confirms:
+    batch-invariant (each row's result is the same in any pass). The weight and bias are the original tensors
+    (shared, same state-dict keys).
 
     On the CPU, where oneDNN takes the dtype (`linear.supported`: fp32, and bf16 / fp16 with the instructions), the
     chunks run on a copy of the weight reordered once for CHUNK_ROWS rows: the stock kernel reorders the weight on
@@ -68,12 +113,12 @@ class RowChunkedLinear(nn.Module):
             self._copy = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), CHUNK_ROWS))
         return self._copy[1]
 
-    def _chunk_kernel(self, x: torch.Tensor):
-        """The one kernel every chunk of this pass runs (the reordered copy, unless autograd or another device)."""
+    def _chunk_kernel(self, x: torch.Tensor) -> CallKernel:
+        """The one kernel every call of this pass runs (the reordered copy, unless autograd or another device)."""
         if not self.reordered or x.device.type != "cpu" or torch.is_grad_enabled() and self.weight.requires_grad:
-            return lambda chunk: F.linear(chunk, self.weight, self.bias)
+            return CallKernel(lambda chunk: F.linear(chunk, self.weight, self.bias), packed=False)
         packed, bias = self._reordered(), None if self.bias is None else self.bias.detach()
-        return lambda chunk: _packed_linear(chunk, packed, bias)
+        return CallKernel(lambda chunk: _packed_linear(chunk, packed, bias), packed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -81,13 +126,15 @@ class RowChunkedLinear(nn.Module):
         pad = -rows % CHUNK_ROWS
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[-1])])
-        flat = flat.contiguous()  # every chunk the same layout as a decode step's
+        flat = flat.contiguous()  # every call the same layout as a decode step's
         kernel = self._chunk_kernel(flat)
-        out = torch.cat([kernel(chunk) for chunk in flat.split(CHUNK_ROWS)])
+        sizes = (invariant_call_rows(self.out_features, self.in_features, flat.dtype, torch.get_num_threads(),
+                                     self.bias is not None) if kernel.packed else (CHUNK_ROWS,))
+        out = torch.cat([kernel(part) for part in flat.split(call_plan(len(flat), sizes))])
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows per call={CHUNK_ROWS}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows per call: multiples of {CHUNK_ROWS}"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from s2d_ray.core.target import TargetVerifier
 from s2d_ray.core.tree import TokenTree
 from s2d_ray.core.types import ScoreRequest
 from s2d_ray.kernels import CpuKernels, DeterministicKernels
-from s2d_ray.kernels.deterministic import CHUNK_ROWS, RowChunkedLinear
+from s2d_ray.kernels.deterministic import CALL_ROWS, CHUNK_ROWS, RowChunkedLinear, call_plan, invariant_call_rows
 from s2d_ray.kernels.linear import supported
 
 DET = DeterministicKernels()
@@ -143,6 +143,21 @@ def test_row_chunked_linear_is_row_invariant():
         assert torch.equal(lin(x), rows)
         assert torch.equal(lin(x.view(1, -1, 96))[0], rows)
         assert torch.allclose(lin(x).float(), (x.float() @ w.float().T), atol=0.1)
+
+
+def test_larger_calls_are_row_invariant_and_only_where_probed():
+    """A pass of many rows runs as a few larger calls (those the probe confirmed here), every row still equal to
+    itself alone; a row count is split into the confirmed sizes, CHUNK_ROWS always among them."""
+    assert call_plan(104, CALL_ROWS) == [64, 32, 8] and call_plan(104, (CHUNK_ROWS,)) == [8] * 13
+    gen = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        w = torch.randn(48, 96, generator=gen).to(dtype)
+        sizes = invariant_call_rows(48, 96, dtype, torch.get_num_threads(), False)
+        assert CHUNK_ROWS in sizes and set(sizes) <= set(CALL_ROWS)
+        x = torch.randn(101, 96, generator=gen).to(dtype)
+        lin = RowChunkedLinear(w)
+        rows = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])
+        assert torch.equal(lin(x), rows)
 
 
 def greedy(engine: SpecEngine, prompts: list[list[int]], n: int, batch: bool, drafted: list | None = None):
