@@ -1,7 +1,8 @@
 """Prefix routing served (real Ray Serve, 127.0.0.1, tiny float64 models): 2 routers, 2 draft and 2 target replicas.
-Requests sharing a system prompt, sent two at a time so the proxy spreads them over both routers, find it cached on
-the replica each router sends them to: the target replicas' hits (summed by /stats over every replica) reach 80% of
-what ONE in-process engine gets for the same prompts, and every output equals target-only greedy without a cache.
+Requests sharing a system prompt (its first question sent alone), sent two at a time so the proxy spreads them over
+both routers, find it cached on the replica each router sends them to: the target replicas' hits (summed by /stats
+over every replica) reach 80% of what ONE in-process engine gets for the same prompts, and every output equals
+target-only greedy without a cache.
 Without prefix routing the two routers' home replicas each compute every system prompt (tests/unit/
 test_prefix_routing.py, the negative control). Also: a tensor-parallel target's counters reach /stats."""
 
@@ -64,8 +65,14 @@ def test_two_routers_two_targets_find_shared_prefixes_cached(routed_app, tiny_fa
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
-    with ThreadPoolExecutor(2) as pool:  # two at a time: the proxy gives the second to the idle router
-        texts = [text for i in range(0, len(prompts), 2) for text in pool.map(ask, prompts[i:i + 2])]
+    # Each system prompt's first question alone, so one replica holds it; then the others two at a time: the proxy
+    # gives the second to the idle router, and both must find it cached. (Two first questions sent together would
+    # share their system prompt only if they met in one batch on one replica: timing, not routing.)
+    firsts, rest = prompts[:: len(QUESTIONS)], [p for i, p in enumerate(prompts) if i % len(QUESTIONS)]
+    prompts = firsts + rest
+    with ThreadPoolExecutor(2) as pool:
+        texts = [ask(p) for p in firsts]
+        texts += [text for i in range(0, len(rest), 2) for text in pool.map(ask, rest[i:i + 2])]
 
     for i, (prompt, text) in enumerate(zip(prompts, texts)):
         ids = encode_prompt(tok, prompt, chat=False)
