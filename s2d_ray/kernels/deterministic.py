@@ -134,7 +134,8 @@ class RowChunkedLinear(nn.Module):
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows per call: multiples of {CHUNK_ROWS}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"rows per call: multiples of {CHUNK_ROWS}")
 
 
 @dataclass(frozen=True)
