@@ -214,9 +214,11 @@ def _slot_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     def steps(t: torch.Tensor) -> list[int]:  # a size-1 dimension's stride is arbitrary: it never moves
         return [stride if size > 1 else 0 for stride, size in zip(t.stride(), t.shape)]
 
-    if steps(cache)[3] not in (0, 1) or any(step % d for step in steps(cache)[:3]):
+    found = steps(cache)
+    if found[3] not in (0, 1) or any(step % d for step in found[:3]):
         cache = cache.contiguous()
-    row, head, slot = (step // d for step in steps(cache)[:3])
+        found = steps(cache)
+    row, head, slot = (step // d for step in found[:3])
     count = sum((size - 1) * step for size, step in zip(cache.shape[:3], (row, head, slot))) + 1
     return cache.as_strided((count, d), (d, 1), cache.storage_offset()), row, head, slot
 
